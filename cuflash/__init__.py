@@ -1,0 +1,12 @@
+"""cuflash: exact FlashAttention for CuPy arrays.
+
+``cuflash.attention`` runs fused, tiled CUDA kernels compiled at run time;
+``cuflash.reference`` is the same function in NumPy float64 and needs no GPU.
+Importing cuflash does not import CuPy.
+"""
+
+from . import reference
+from ._api import attention
+
+__version__ = "0.1.0"
+__all__ = ["attention", "reference", "__version__"]

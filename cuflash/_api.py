@@ -1,0 +1,61 @@
+"""The public GPU functions."""
+
+from __future__ import annotations
+
+from . import _checks, _dispatch
+
+
+def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False):
+    """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` on the GPU.
+
+    A fused FlashAttention kernel: q, k and v stream through on-chip memory in
+    tiles and the ``(Nq, Nk)`` score matrix is never stored, so memory is
+    linear in sequence length.
+
+    Parameters
+    ----------
+    q : cupy.ndarray, shape (..., Nq, D)
+    k : cupy.ndarray, shape (..., Nk, D)
+    v : cupy.ndarray, shape (..., Nk, Dv)
+        One dtype for all three: float16, bfloat16 or float32. D and Dv are
+        multiples of 8 up to 256 and may differ. Leading dims broadcast as in
+        NumPy, which is how batches, heads and grouped-query attention are
+        written: k, v of shape (B, Hkv, 1, Nk, D) against q of shape
+        (B, Hkv, G, Nq, D). Views with a contiguous last axis (a (B, N, H, D)
+        array transposed to (B, H, N, D), slices) are read in place.
+    causal : bool, optional
+        Row i sees key j only if ``j <= i + Nk - Nq`` (aligned to the
+        bottom-right corner, as in FlashAttention-2). For Nq = 3, Nk = 5::
+
+            1 1 1 0 0
+            1 1 1 1 0
+            1 1 1 1 1
+
+    window : (left, right), optional
+        Sliding window: row i sees keys ``i + off - left <= j <= i + off + right``
+        with ``off = Nk - Nq``; either side may be None (unbounded). With
+        ``causal=True``, right is 0.
+    scale : float, optional
+        Multiplies the scores; defaults to ``1 / sqrt(D)``.
+    return_lse : bool, optional
+        Also return the log-sum-exp of each row's scaled, masked scores.
+
+    Returns
+    -------
+    out : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv), the input dtype
+    lse : cupy.ndarray, shape broadcast(batch dims) + (Nq,), float32
+        Only with ``return_lse=True``. A row that sees no key gets out 0 and
+        lse -inf.
+
+    See Also
+    --------
+    cuflash.reference.attention : the NumPy float64 version of the same function.
+    """
+    x = _checks.attention_inputs(q, k, v, causal, window, scale)
+    cupy = _checks.require_cupy()
+    with x.q.device:
+        out = cupy.empty(x.batch_shape + (x.nq, x.dv), dtype=x.q.dtype)
+        lse = cupy.empty(x.batch_shape + (x.nq,), dtype=cupy.float32)
+        if x.batch_size and x.nq:
+            _dispatch.launch_forward(x, out, lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,202 @@
+"""Argument checking and broadcasting, before anything touches the GPU.
+
+Every error names the argument, what was expected and what was given. The
+shape and scale rules are shared with ``cuflash.reference``; the rest turns
+CuPy arrays into what a kernel launch needs (``AttnInputs``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._mask import normalize_window
+from ._params import MAX_BATCH_DIMS
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+
+
+def check_shapes(q_shape, k_shape, v_shape) -> tuple[int, ...]:
+    """Checks the shapes of q, k, v against each other; returns the broadcast batch shape."""
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., N, D), got shape {tuple(shape)}")
+    if q_shape[-1] != k_shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head dim (last axis), got q.shape={tuple(q_shape)} "
+            f"and k.shape={tuple(k_shape)}"
+        )
+    if k_shape[-2] != v_shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys (axis -2), got k.shape={tuple(k_shape)} "
+            f"and v.shape={tuple(v_shape)}"
+        )
+    try:
+        return tuple(np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2]))
+    except ValueError as err:
+        raise ValueError(
+            "the batch dims (all but the last two) of q, k and v must broadcast, got "
+            f"q.shape={tuple(q_shape)}, k.shape={tuple(k_shape)}, v.shape={tuple(v_shape)}"
+        ) from err
+
+
+def check_scale(scale, d: int) -> float:
+    """The softmax scale: ``1/sqrt(d)`` by default, else a finite real number."""
+    if scale is None:
+        # With d = 0 every score is 0 whatever the scale; avoid 1/sqrt(0).
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"scale must be None or a real number, got {scale!r} of type {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_head_dim(name: str, axis: str, n: int) -> None:
+    if n > MAX_HEAD_DIM or n % HEAD_DIM_MULTIPLE:
+        raise ValueError(
+            f"{name} has {axis} {n}; cuflash supports head dims that are multiples of "
+            f"{HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} (pad the last axis with zeros to use others)"
+        )
+
+
+def require_cupy():
+    """The cupy module, or an ImportError saying how to install it."""
+    try:
+        import cupy
+    except ImportError as err:
+        raise ImportError(
+            "cuflash's GPU functions need CuPy: pip install 'cuflash[cuda12]' (or [cuda13] "
+            "for a CUDA 13 driver). cuflash.reference works without it."
+        ) from err
+    return cupy
+
+
+def check_arrays(cupy, **arrays) -> str:
+    """Checks that every argument is a CuPy array of one supported dtype on one device.
+
+    Returns the dtype's name.
+    """
+    for name, x in arrays.items():
+        if not isinstance(x, cupy.ndarray):
+            kind = type(x)
+            hint = f"cupy.asarray({name})"
+            if kind.__module__.split(".")[0] == "torch":
+                hint = f"cupy.from_dlpack({name}) (zero-copy)"
+            raise TypeError(
+                f"{name} must be a cupy.ndarray, got {kind.__module__}.{kind.__qualname__}; "
+                f"convert it with {hint}"
+            )
+    dtypes = {name: x.dtype for name, x in arrays.items()}
+    first_name, first = next(iter(dtypes.items()))
+    for name, dt in dtypes.items():
+        if dt.name not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {dt}; cuflash supports {', '.join(SUPPORTED_DTYPES)}")
+        if dt != first:
+            raise TypeError(
+                f"q, k and v must share one dtype, got "
+                + ", ".join(f"{n}.dtype={d}" for n, d in dtypes.items())
+            )
+    devices = {name: x.device.id for name, x in arrays.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(
+            "all arrays must be on one device, got "
+            + ", ".join(f"{n} on device {d}" for n, d in devices.items())
+        )
+    return first.name
+
+
+@dataclass
+class AttnInputs:
+    """Validated forward inputs, laid out for a kernel launch."""
+
+    q: object
+    k: object
+    v: object
+    dtype_name: str
+    batch_shape: tuple[int, ...]  # broadcast batch dims, as the user sees them
+    nq: int
+    nk: int
+    d: int
+    dv: int
+    left: int | None
+    right: int | None
+    scale: float
+    row_strides: tuple[int, int, int]  # elements between rows of q, k, v
+    kernel_batch_shape: tuple[int, ...]  # batch dims after merging, <= MAX_BATCH_DIMS
+    kernel_batch_strides: tuple[tuple[int, ...], ...]  # per tensor, 0 where broadcast
+
+    @property
+    def batch_size(self) -> int:
+        return math.prod(self.batch_shape)
+
+
+def _kernel_ready(cupy, x):
+    """x itself if the kernels can read it in place, else a contiguous copy.
+
+    In place needs a contiguous last axis and rows aligned to 16 bytes (the
+    kernels move 16-byte chunks); strided views such as a (B, N, H, D) array
+    transposed to (B, H, N, D) qualify.
+    """
+    item = x.itemsize
+    aligned = x.data.ptr % 16 == 0 and all(
+        (s // item) * item == s and (s // item) % (16 // item) == 0 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1
+    )
+    if (x.shape[-1] <= 1 or x.strides[-1] == item) and aligned:
+        return x
+    return cupy.ascontiguousarray(x)
+
+
+def _batch_layout(batch_shape, arrays):
+    """Merges batch dims where every tensor allows it; strides in elements, 0 where broadcast."""
+    nd = len(batch_shape)
+    strides = []
+    for x in arrays:
+        pad = nd - (x.ndim - 2)
+        per = [0] * nd
+        for i in range(x.ndim - 2):
+            if x.shape[i] != 1:
+                per[pad + i] = x.strides[i] // x.itemsize
+        strides.append(per)
+    dims = [(n, [s[i] for s in strides]) for i, n in enumerate(batch_shape) if n != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for n, st in dims:
+        if merged:
+            n0, st0 = merged[-1]
+            if all(a == b * n for a, b in zip(st0, st)):
+                merged[-1] = (n0 * n, st)
+                continue
+        merged.append((n, st))
+    if len(merged) > MAX_BATCH_DIMS:
+        raise ValueError(
+            f"the broadcast batch shape {tuple(batch_shape)} with these strides needs {len(merged)} "
+            f"batch dims; cuflash handles up to {MAX_BATCH_DIMS} (make the inputs contiguous)"
+        )
+    shape = tuple(n for n, _ in merged)
+    per_tensor = tuple(tuple(st[j] for _, st in merged) for j in range(len(arrays)))
+    return shape, per_tensor
+
+
+def attention_inputs(q, k, v, causal, window, scale) -> AttnInputs:
+    cupy = require_cupy()
+    dtype_name = check_arrays(cupy, q=q, k=k, v=v)
+    batch_shape = check_shapes(q.shape, k.shape, v.shape)
+    nq, d = q.shape[-2:]
+    nk, dv = v.shape[-2:]
+    check_head_dim("q", "head dim (last axis)", d)
+    check_head_dim("v", "value head dim (last axis)", dv)
+    left, right = normalize_window(causal, window)
+    scale = check_scale(scale, d)
+    q, k, v = (_kernel_ready(cupy, x) for x in (q, k, v))
+    kshape, kstrides = _batch_layout(batch_shape, (q, k, v))
+    row_strides = tuple(x.strides[-2] // x.itemsize for x in (q, k, v))
+    return AttnInputs(
+        q, k, v, dtype_name, batch_shape, nq, nk, d, dv, left, right, scale,
+        row_strides, kshape, kstrides,
+    )

@@ -1,0 +1,118 @@
+"""Run-time compilation of the CUDA kernels through NVRTC (``cupy.RawModule``).
+
+The headers in ``kernels/`` are joined, in the fixed order of ``KERNEL_FILES``,
+into one source string. CuPy's disk cache keys on that string and on the
+options, so editing any kernel file recompiles what it touches. Each
+specialization (one kernel template instantiation) is its own module,
+compiled on first use and kept per device.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+from . import _params
+
+KERNEL_FILES = (
+    "common.cuh",
+    "params.cuh",
+    "smem.cuh",
+    "mma.cuh",
+    "mask.cuh",
+    "softmax.cuh",
+    "tile_config.cuh",
+    "attn_fwd.cuh",
+)
+
+
+def kernel_dir() -> Path:
+    """Where the CUDA sources are: inside the installed package, else the source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / KERNEL_FILES[0]).is_file():
+            return candidate
+    raise FileNotFoundError(f"cuflash kernel sources not found next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source() -> str:
+    """The whole CUDA source as one self-contained translation unit."""
+    root = kernel_dir()
+    parts = [f"// ---- {name} ----\n{(root / name).read_text()}" for name in KERNEL_FILES]
+    return "\n".join(parts)
+
+
+def nvrtc_options(arch: str) -> tuple[str, ...]:
+    """NVRTC options for a target such as ``"sm_80"`` or ``"sm_90a"``."""
+    return (f"-arch={arch}",) + _common_options()
+
+
+def _common_options() -> tuple[str, ...]:
+    return ("--std=c++17", f"-DCUFLASH_PARAMS_BYTES={_params.PARAMS_DTYPE.itemsize}")
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def target_arch(compute_capability: str) -> str:
+    """The architecture to build for on a device of this compute capability.
+
+    Hopper gets ``sm_90a`` (its own instructions) when NVRTC is 12.9 or newer,
+    the first release that accepts a second ``-arch`` beside the one CuPy adds.
+    """
+    cc = int(compute_capability)
+    if cc < 80:
+        raise RuntimeError(
+            f"cuflash needs a GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper); "
+            f"this device has {cc // 10}.{cc % 10}"
+        )
+    if cc == 90 and nvrtc_version() >= (12, 9):
+        return "sm_90a"
+    return f"sm_{cc}"
+
+
+def _module_options(arch: str) -> tuple[str, ...]:
+    # CuPy adds its own -arch for the current device; NVRTC before 12.9
+    # rejects a repeated option, so name the arch only where it is accepted.
+    if nvrtc_version() >= (12, 9):
+        return nvrtc_options(arch)
+    return _common_options()
+
+
+_lock = threading.Lock()
+_functions: dict[tuple[int, str], object] = {}
+
+
+def get_function(name_expression: str, smem_bytes: int):
+    """The compiled kernel for a template instantiation on the current device.
+
+    Compiles on first use (serialized across threads) and raises the kernel's
+    dynamic shared-memory limit to ``smem_bytes``.
+    """
+    import cupy
+
+    device = cupy.cuda.Device()
+    key = (device.id, name_expression)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _functions.get(key)
+        if fn is None:
+            arch = target_arch(device.compute_capability)
+            module = cupy.RawModule(
+                code=kernel_source(),
+                options=_module_options(arch),
+                name_expressions=(name_expression,),
+            )
+            fn = module.get_function(name_expression)
+            if smem_bytes > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = smem_bytes
+            _functions[key] = fn
+    return fn

@@ -1,0 +1,52 @@
+"""The kernels' parameter record (``AttnParams`` in ``kernels/params.cuh``).
+
+Built as a NumPy structured scalar and passed to the kernel by value. Every
+field is 8 bytes wide, so C++ and NumPy lay it out alike with no padding; the
+kernel checks the size at compile time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MAX_BATCH_DIMS = 8
+
+PARAMS_DTYPE = np.dtype(
+    [
+        ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("out", np.uint64), ("lse", np.uint64),
+        ("q_row_stride", np.int64), ("k_row_stride", np.int64), ("v_row_stride", np.int64),
+        ("nq", np.int64), ("nk", np.int64), ("d", np.int64), ("dv", np.int64),
+        ("window_left", np.int64), ("window_right", np.int64),
+        ("scale_log2", np.float64),
+        ("num_m_blocks", np.int64),
+        ("batch_ndim", np.int64),
+        ("batch_shape", np.int64, (MAX_BATCH_DIMS,)),
+        ("q_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
+        ("k_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
+        ("v_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
+    ]
+)
+
+
+def attn_params(inputs, out, lse, block_m: int) -> np.ndarray:
+    """One ``AttnParams`` record (a length-1 structured array) for a forward launch."""
+    x = inputs
+    p = np.zeros(1, dtype=PARAMS_DTYPE)
+    r = p[0]
+    r["q"], r["k"], r["v"] = x.q.data.ptr, x.k.data.ptr, x.v.data.ptr
+    r["out"], r["lse"] = out.data.ptr, lse.data.ptr
+    r["q_row_stride"], r["k_row_stride"], r["v_row_stride"] = x.row_strides
+    r["nq"], r["nk"], r["d"], r["dv"] = x.nq, x.nk, x.d, x.dv
+    unbounded = x.nq + x.nk
+    r["window_left"] = unbounded if x.left is None else min(x.left, unbounded)
+    r["window_right"] = unbounded if x.right is None else min(x.right, unbounded)
+    r["scale_log2"] = x.scale * math.log2(math.e)
+    r["num_m_blocks"] = -(-x.nq // block_m)
+    r["batch_ndim"] = len(x.kernel_batch_shape)
+    n = len(x.kernel_batch_shape)
+    r["batch_shape"][:n] = x.kernel_batch_shape
+    for name, strides in zip(("q_batch_stride", "k_batch_stride", "v_batch_stride"), x.kernel_batch_strides):
+        r[name][:n] = strides
+    return p

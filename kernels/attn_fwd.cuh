@@ -1,0 +1,171 @@
+// attn_fwd.cuh: the forward pass, out = softmax(scale * q k^T + mask) v.
+//
+// One block computes BLOCK_M query rows of one batch entry (and DV_BLOCK
+// output columns: a wide dv may be split over blockIdx.y). Q stays in shared
+// memory; K and V blocks stream through a two-stage cp.async pipeline over
+// the keys the band allows (blocks outside it are never loaded). Each warp
+// owns 16 * M_TILES rows: scores, softmax state, P and the output accumulator
+// all live in its registers, so the nq x nk score matrix never exists.
+#pragma once
+
+namespace cuflash {
+
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+    u32 n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
+template <class T, int HEAD_DIM, int DV_BLOCK, int BLOCK_M, int BLOCK_N, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd(const AttnParams p) {
+    using Cfg = FwdConfig<T, HEAD_DIM, DV_BLOCK, BLOCK_M, BLOCK_N, WARPS>;
+    using Storage = typename Cfg::Storage;
+    using QTile = typename Cfg::QTile;
+    using KTile = typename Cfg::KTile;
+    using VTile = typename Cfg::VTile;
+    using Q = Operands<T, QTile>;
+    using K = Operands<T, KTile>;
+    using V = Operands<T, VTile>;
+    constexpr int M_TILES = Cfg::M_TILES, N_TILES = Cfg::N_TILES, D_TILES = Cfg::D_TILES;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
+
+    const u32 num_m_blocks = u32(p.num_m_blocks);
+    const u32 batch = blockIdx.x / num_m_blocks;
+    const int m0 = int(blockIdx.x % num_m_blocks) * BLOCK_M;
+    const int col0 = blockIdx.y * DV_BLOCK;   // first output column of this block
+    const int nq = int(p.nq), d = int(p.d), dv = int(p.dv) - col0;
+    const int warp_row0 = (threadIdx.x / 32) * 16 * M_TILES;   // first row of this warp in the block
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+
+    index_t q_off, k_off, v_off;
+    p.batch_offsets(batch, q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(m0) * p.q_row_stride;
+    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off;
+    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + col0;
+
+    const u32 s_q = smem_address(smem);
+    const u32 s_k = s_q + QTile::BYTES;                     // + stage * KTile::BYTES
+    const u32 s_v = s_k + Cfg::STAGES * KTile::BYTES;       // + stage * VTile::BYTES
+
+    const Band band(p);
+    const int m_end = min(m0 + BLOCK_M, nq);
+    int n_lo, n_hi;
+    band.key_range(m0, m_end, n_lo, n_hi);
+    const int nb_begin = n_lo / BLOCK_N;
+    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, BLOCK_N) : nb_begin;
+
+    // Issues the loads of key block nb into pipeline stage `stage`.
+    auto load_kv = [&](int nb, int stage) {
+        const int n0 = nb * BLOCK_N;
+        const int rows = int(p.nk) - n0;
+        load_tile_async<KTile, Cfg::THREADS>(s_k + stage * KTile::BYTES, g_k + index_t(n0) * p.k_row_stride,
+                                             p.k_row_stride, rows, d);
+        load_tile_async<VTile, Cfg::THREADS>(s_v + stage * VTile::BYTES, g_v + index_t(n0) * p.v_row_stride,
+                                             p.v_row_stride, rows, dv);
+    };
+
+    float acc[M_TILES][D_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+    OnlineSoftmax<M_TILES> softmax;
+    const float scale_log2 = float(p.scale_log2);
+
+    if (nb_begin < nb_end) {
+        load_tile_async<QTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
+        load_kv(nb_begin, 0);
+        cp_async_commit();
+    }
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+        const int stage = (nb - nb_begin) & 1;
+        if (nb + 1 < nb_end) load_kv(nb + 1, stage ^ 1);
+        cp_async_commit();       // possibly empty: keeps one group per step
+        cp_async_wait<1>();      // block nb (and Q) have landed
+        __syncthreads();
+
+        // s = q k^T for this warp's rows and the block's keys
+        float s[M_TILES][N_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            FragA<T> a[M_TILES];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) Q::load_a(a[mt], s_q, warp_row0 + mt * 16, k0);
+#pragma unroll
+            for (int n = 0; n < N_TILES / 2; ++n) {
+                FragB<T> b[2];
+                K::load_b_rows(b, s_k + stage * KTile::BYTES, n * 16, k0);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    mma(s[mt][2 * n], a[mt], b[0]);
+                    mma(s[mt][2 * n + 1], a[mt], b[1]);
+                }
+            }
+        }
+
+        // scale into the log2 domain, then hide what the band excludes
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+        const int n0 = nb * BLOCK_N;
+        if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) apply_band(s, band, m0 + warp_row0, n0);
+
+        // p = exp2(s - m), with m, l and acc brought up to date
+        softmax.update(s, acc);
+
+        // acc += p v
+#pragma unroll
+        for (int j = 0; j < N_TILES / 2; ++j) {
+            FragA<T> pa[M_TILES];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) scores_to_a(pa[mt], s[mt][2 * j], s[mt][2 * j + 1]);
+#pragma unroll
+            for (int n = 0; n < D_TILES / 2; ++n) {
+                FragB<T> b[2];
+                V::load_b_cols(b, s_v + stage * VTile::BYTES, j * 16, n * 16);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    mma(acc[mt][2 * n], pa[mt], b[0]);
+                    mma(acc[mt][2 * n + 1], pa[mt], b[1]);
+                }
+            }
+        }
+        __syncthreads();         // the stage just read is the next one refilled
+    }
+
+    // out = acc / l, lse = m + log l; rows past nq and columns past dv are not written
+    float lse[M_TILES][2];
+    softmax.finish(acc, lse);
+    Storage* g_out = static_cast<Storage*>(p.out) + (index_t(batch) * p.nq + m0) * p.dv + col0;
+    float* g_lse = p.lse + index_t(batch) * p.nq + m0;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp_row0 + mt * 16 + g + 8 * h;
+            if (m0 + row >= nq) continue;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt) {
+                const int col = dt * 8 + 2 * t;
+                if (col < dv)
+                    Store<T>::pair(g_out + index_t(row) * p.dv + col, acc[mt][dt][2 * h], acc[mt][dt][2 * h + 1]);
+            }
+            if (t == 0 && blockIdx.y == 0) g_lse[row] = lse[mt][h];
+        }
+}
+
+}  // namespace cuflash

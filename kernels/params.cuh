@@ -1,0 +1,54 @@
+// params.cuh: what the host passes to a kernel, by value.
+//
+// Every field is 8 bytes wide, so the layout has no padding; cuflash/_params.py
+// builds the same record as a NumPy structured scalar, field for field, and
+// passes its size as CUFLASH_PARAMS_BYTES so a mismatch fails to compile.
+#pragma once
+
+namespace cuflash {
+
+constexpr int MAX_BATCH_DIMS = 8;
+
+struct AttnParams {
+    const void* q;            // (batch..., nq, d)   rows strided, elements contiguous
+    const void* k;            // (batch..., nk, d)
+    const void* v;            // (batch..., nk, dv)
+    void* out;                // (batch, nq, dv)     contiguous
+    float* lse;               // (batch, nq)         contiguous, natural log
+    index_t q_row_stride, k_row_stride, v_row_stride;   // in elements
+    index_t nq, nk, d, dv;
+    // Row i attends key j iff i + off - window_left <= j <= i + off + window_right,
+    // off = nk - nq. Both are >= 0; "unbounded" arrives as nq + nk.
+    index_t window_left, window_right;
+    double scale_log2;        // softmax scale * log2(e): exp2 replaces exp
+    index_t num_m_blocks;     // query blocks per batch entry
+    index_t batch_ndim;       // broadcast batch dims, outermost first
+    index_t batch_shape[MAX_BATCH_DIMS];
+    index_t q_batch_stride[MAX_BATCH_DIMS];   // 0 where q is broadcast
+    index_t k_batch_stride[MAX_BATCH_DIMS];
+    index_t v_batch_stride[MAX_BATCH_DIMS];
+
+    // Element offsets of q, k, v for flat batch index b. The batch count fits
+    // in 32 bits (it is at most the grid size), so 32-bit division suffices.
+    __device__ __forceinline__ void batch_offsets(u32 b, index_t& oq, index_t& ok, index_t& ov) const {
+        oq = ok = ov = 0;
+#pragma unroll
+        for (int j = 0; j < MAX_BATCH_DIMS; ++j) {
+            const int i = MAX_BATCH_DIMS - 1 - j;   // innermost dim first
+            if (i < batch_ndim) {
+                const u32 n = u32(batch_shape[i]);
+                const u32 idx = b % n;
+                b /= n;
+                oq += idx * q_batch_stride[i];
+                ok += idx * k_batch_stride[i];
+                ov += idx * v_batch_stride[i];
+            }
+        }
+    }
+};
+
+#ifdef CUFLASH_PARAMS_BYTES
+static_assert(sizeof(AttnParams) == CUFLASH_PARAMS_BYTES, "AttnParams differs from cuflash/_params.py");
+#endif
+
+}  // namespace cuflash

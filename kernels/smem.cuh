@@ -1,0 +1,65 @@
+// smem.cuh: shared-memory tiles and the asynchronous copies that fill them.
+#pragma once
+
+namespace cuflash {
+
+__device__ __forceinline__ u32 smem_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// A ROWS x COLS tile of 16-byte chunks. Chunk c of row r is stored at
+// c ^ f(r): the eight rows one ldmatrix reads at one logical chunk then fall
+// in eight different 16-byte bank groups, with no padding. G is the largest
+// power of two (at most 8) dividing the chunks per row; XOR-ing within groups
+// of G keeps every chunk inside its row.
+template <class Storage, int ROWS, int COLS>
+struct SmemTile {
+    static constexpr int ELEMS_PER_CHUNK = 16 / int(sizeof(Storage));
+    static constexpr int CHUNKS = COLS / ELEMS_PER_CHUNK;
+    static constexpr int ROWS_X_CHUNKS = ROWS * CHUNKS;
+    static constexpr int BYTES = ROWS * COLS * int(sizeof(Storage));
+    static constexpr int G = CHUNKS % 8 == 0 ? 8 : CHUNKS % 4 == 0 ? 4 : CHUNKS % 2 == 0 ? 2 : 1;
+    static constexpr int ROWS_PER_SWIZZLE = 8 / G;   // rows that one chunk-row of banks spans
+    static_assert(COLS % ELEMS_PER_CHUNK == 0, "tile rows are whole 16-byte chunks");
+
+    // Byte offset of chunk `chunk` of row `row`.
+    __device__ __forceinline__ static u32 chunk_offset(int row, int chunk) {
+        return u32(row * CHUNKS + (chunk ^ ((row / ROWS_PER_SWIZZLE) & (G - 1)))) * 16u;
+    }
+    // Byte offset of element (row, col).
+    __device__ __forceinline__ static u32 offset(int row, int col) {
+        return chunk_offset(row, col / ELEMS_PER_CHUNK) + u32(col % ELEMS_PER_CHUNK) * u32(sizeof(Storage));
+    }
+};
+
+// 16-byte global -> shared copy that bypasses registers; when !valid it reads
+// nothing and writes zeros, which pads ragged rows and head dims.
+__device__ __forceinline__ void cp_async_16(u32 s_addr, const void* g_ptr, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(s_addr), "l"(g_ptr), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING)); }
+
+// Issues the copies of rows [0, ROWS) x cols [0, COLS) of a global tile whose
+// row r starts at g + r * row_stride; rows >= rows_valid and columns >= cols_valid
+// become zeros. All THREADS threads of the block take part.
+template <class Tile, int THREADS, class Storage>
+__device__ __forceinline__ void load_tile_async(u32 s_tile, const Storage* g, index_t row_stride,
+                                                int rows_valid, int cols_valid) {
+    constexpr int TOTAL = Tile::ROWS_X_CHUNKS;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+        const int i = it * THREADS + int(threadIdx.x);
+        if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+        const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS;
+        const bool valid = r < rows_valid && c * Tile::ELEMS_PER_CHUNK < cols_valid;
+        const Storage* src = valid ? g + r * row_stride + c * Tile::ELEMS_PER_CHUNK : g;
+        cp_async_16(s_tile + Tile::chunk_offset(r, c), src, valid);
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,32 @@
+// tile_config.cuh: tile shapes and the shared-memory layout they imply,
+// kept apart from the algorithm. The shapes themselves are chosen per
+// (dtype, head dim) in cuflash/_dispatch.py and arrive as template arguments.
+#pragma once
+
+namespace cuflash {
+
+template <class T, int HEAD_DIM_, int DV_BLOCK_, int BLOCK_M_, int BLOCK_N_, int WARPS_>
+struct FwdConfig {
+    using Storage = typename T::storage;
+    static constexpr int HEAD_DIM = HEAD_DIM_;   // d and dv, padded up to a multiple of 16
+    static constexpr int DV_BLOCK = DV_BLOCK_;   // output columns per block (blockIdx.y picks which)
+    static constexpr int BLOCK_M = BLOCK_M_;     // query rows per block
+    static constexpr int BLOCK_N = BLOCK_N_;     // keys per pipeline step
+    static constexpr int WARPS = WARPS_;
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int M_TILES = BLOCK_M / (16 * WARPS);   // 16-row MMA tiles per warp
+    static constexpr int N_TILES = BLOCK_N / 8;              // 8-key score tiles
+    static constexpr int D_TILES = DV_BLOCK / 8;             // 8-column output tiles
+    static constexpr int STAGES = 2;                         // K/V blocks in flight
+
+    using QTile = SmemTile<Storage, BLOCK_M, HEAD_DIM>;
+    using KTile = SmemTile<Storage, BLOCK_N, HEAD_DIM>;
+    using VTile = SmemTile<Storage, BLOCK_N, DV_BLOCK>;
+    // [Q][K stage 0][K stage 1][V stage 0][V stage 1]
+    static constexpr int SMEM_BYTES = QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES);
+
+    static_assert(BLOCK_M % (16 * WARPS) == 0, "each warp owns whole 16-row tiles");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0 && DV_BLOCK % 16 == 0, "MMA steps are 16 wide");
+};
+
+}  // namespace cuflash

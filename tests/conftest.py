@@ -1,0 +1,78 @@
+"""Shared test machinery: the GPU skip marker, poisoned allocations, the accuracy criterion."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+
+def _gpu_missing() -> str | None:
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install '.[cuda12]')"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return None
+    except Exception as err:  # no driver, no device
+        return f"no CUDA GPU available ({type(err).__name__}: {err})"
+    return "no CUDA GPU available"
+
+
+GPU_MISSING = _gpu_missing()
+requires_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs a CUDA GPU: {GPU_MISSING}")
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every CuPy allocation inside is filled with 0xFF bytes (NaN in every float dtype),
+    so an output element a kernel fails to write shows up as NaN."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+
+    def malloc(size):
+        mem = pool.malloc(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    cupy.cuda.set_allocator(malloc)
+    try:
+        yield
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+
+
+def eps(dtype) -> float:
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(dtype).eps)
+
+
+def assert_close_to_reference(name, result, naive, ref, dtype, c):
+    """SPEC's criterion: max|result - ref| <= c * max|naive - ref| + atol, atol a few ulps."""
+    result = np.asarray(result, dtype=np.float64)
+    naive = np.asarray(naive, dtype=np.float64)
+    assert result.shape == ref.shape, f"{name}: shape {result.shape} != {ref.shape}"
+    assert np.isfinite(result).all(), f"{name}: {np.count_nonzero(~np.isfinite(result))} non-finite elements"
+    if ref.size == 0:
+        return
+    err = np.abs(result - ref).max()
+    naive_err = np.abs(naive - ref).max()
+    atol = 4 * eps(dtype) * np.abs(ref).max()
+    assert err <= c * naive_err + atol, (
+        f"{name}: max error {err:.3g} > {c} x naive error {naive_err:.3g} + atol {atol:.3g}"
+    )
+
+
+def assert_lse_close(lse, ref_lse):
+    lse = np.asarray(lse, dtype=np.float64)
+    assert lse.shape == ref_lse.shape
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(lse[~finite], ref_lse[~finite]), "lse must be -inf exactly on rows that see no key"
+    assert np.isfinite(lse[finite]).all(), "lse is not finite on a row that sees keys"
+    if finite.any():
+        assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-3

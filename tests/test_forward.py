@@ -1,0 +1,184 @@
+"""GPU forward kernel against the float64 reference, under SPEC's criterion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import (
+    GPU_MISSING,
+    assert_close_to_reference,
+    assert_lse_close,
+    poisoned_allocations,
+    requires_gpu,
+)
+
+pytestmark = requires_gpu
+
+if GPU_MISSING is None:
+    import cupy
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    import cuflash
+    from cuflash import naive, reference
+
+DTYPES = ("float16", "bfloat16", "float32")
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+def random_array(rng, shape, dtype, scale=1.0):
+    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+    return cupy.asarray(x).astype(dtype)
+
+
+def check_forward(q, k, v, **mask):
+    """Runs cuflash, the naive CuPy version and the reference on the same inputs."""
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
+    n_out, _ = naive.attention(q, k, v, return_lse=True, **mask)
+    hq, hk, hv = (cupy.asnumpy(x) for x in (q, k, v))
+    r_out, r_lse = reference.attention(hq, hk, hv, return_lse=True, **mask)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, q.dtype, c=2)
+    assert_lse_close(cupy.asnumpy(lse), r_lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_dtype_and_head_dim(dtype, d, causal):
+    rng = np.random.default_rng(d * 7 + causal)
+    q = random_array(rng, (2, 3, 77, d), dtype)
+    k = random_array(rng, (2, 3, 131, d), dtype)
+    v = random_array(rng, (2, 3, 131, d), dtype)
+    check_forward(q, k, v, causal=causal)
+
+
+@st.composite
+def problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    d = draw(st.sampled_from((8, 16, 40, 64, 72, 128, 136, 200, 256)))
+    dv = draw(st.sampled_from((d, 8, 64, 120, 256)))
+    nq = draw(st.integers(1, 300))
+    nk = draw(st.integers(1, 300))
+    b = draw(st.integers(1, 3))
+    hkv = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 3))
+    # GQA-style broadcast: k, v shared across the group axis, sometimes across batch too
+    q_batch = (b, hkv, group)
+    kv_batch = draw(st.sampled_from(((b, hkv, 1), (1, hkv, 1), (hkv, 1), ())))
+    mask = draw(
+        st.sampled_from(("none", "causal", "window", "left", "right", "causal_window"))
+    )
+    w = (draw(st.integers(0, 64)), draw(st.integers(0, 64)))
+    kwargs = {
+        "none": {},
+        "causal": {"causal": True},
+        "window": {"window": w},
+        "left": {"window": (w[0], None)},
+        "right": {"window": (None, w[1])},
+        "causal_window": {"causal": True, "window": (w[0], None)},
+    }[mask]
+    logit_scale = draw(st.sampled_from((1.0, 1.0, 8.0)))  # 8: scores of several hundred
+    strided = draw(st.booleans())
+    if draw(st.booleans()):
+        kwargs["scale"] = draw(st.sampled_from((0.05, 0.5, 2.0)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return dtype, d, dv, nq, nk, q_batch, kv_batch, kwargs, logit_scale, strided, seed
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_forward_properties(problem):
+    dtype, d, dv, nq, nk, q_batch, kv_batch, kwargs, logit_scale, strided, seed = problem
+    rng = np.random.default_rng(seed)
+    if strided:
+        # (..., N, H, D) storage viewed as (..., H, N, D): rows strided, no copy
+        q = random_array(rng, q_batch[:-1] + (nq, q_batch[-1], d), dtype, logit_scale).swapaxes(-2, -3)
+    else:
+        q = random_array(rng, q_batch + (nq, d), dtype, logit_scale)
+    k = random_array(rng, kv_batch + (nk, d), dtype)
+    v = random_array(rng, kv_batch + (nk, dv), dtype)
+    check_forward(q, k, v, **kwargs)
+
+
+def test_rows_that_see_no_key():
+    rng = np.random.default_rng(1)
+    q = random_array(rng, (2, 200, 64), "float16")
+    k = random_array(rng, (2, 70, 64), "float16")
+    v = random_array(rng, (2, 70, 64), "float16")
+    out, lse = check_forward(q, k, v, causal=True)
+    # off = -130: rows 0..129 see nothing
+    assert (cupy.asnumpy(out[:, :130]) == 0).all()
+    assert np.isneginf(cupy.asnumpy(lse[:, :130])).all()
+    assert np.isfinite(cupy.asnumpy(lse[:, 130:])).all()
+
+
+def test_no_keys_at_all():
+    rng = np.random.default_rng(2)
+    q = random_array(rng, (3, 5, 32), "bfloat16")
+    k = random_array(rng, (3, 0, 32), "bfloat16")
+    v = random_array(rng, (3, 0, 32), "bfloat16")
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert (cupy.asnumpy(out.astype(np.float32)) == 0).all()
+    assert np.isneginf(cupy.asnumpy(lse)).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 16, 64), (2, 4, 0, 64), (2, 0, 16, 64)])
+def test_empty_inputs_give_empty_results(shape):
+    q = cupy.ones(shape, dtype=np.float16)
+    out, lse = cuflash.attention(q, q, q, return_lse=True)
+    assert out.shape == shape and lse.shape == shape[:-1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_logits(dtype):
+    rng = np.random.default_rng(3)
+    q = random_array(rng, (2, 129, 64), dtype, 30.0)
+    k = random_array(rng, (2, 257, 64), dtype, 3.0)
+    v = random_array(rng, (2, 257, 64), dtype)
+    out, lse = check_forward(q, k, v)
+    assert np.isfinite(cupy.asnumpy(lse)).all()
+
+
+def test_strided_view_is_read_in_place():
+    from cuflash import _checks
+
+    rng = np.random.default_rng(4)
+    base = random_array(rng, (2, 100, 4, 64), "float16")  # (B, N, H, D)
+    q = base.transpose(0, 2, 1, 3)  # (B, H, N, D) view
+    x = _checks.attention_inputs(q, q, q, False, None, None)
+    assert x.q is q and x.row_strides[0] == 4 * 64
+    check_forward(q, q, q, causal=True)
+
+
+def test_float32_keeps_float32_accuracy():
+    rng = np.random.default_rng(5)
+    q, k, v = (random_array(rng, (4, 256, 128), "float32") for _ in range(3))
+    out = cuflash.attention(q, k, v)
+    ref = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)))
+    rel = np.abs(cupy.asnumpy(out) - ref).max() / np.abs(ref).max()
+    assert rel < 1e-5, f"float32 relative error {rel:.2e}: lower than float32 precision"
+
+
+def test_deterministic():
+    rng = np.random.default_rng(6)
+    q, k, v = (random_array(rng, (2, 4, 300, 128), "bfloat16") for _ in range(3))
+    a = cuflash.attention(q, k, v, causal=True)
+    b = cuflash.attention(q, k, v, causal=True)
+    assert cupy.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_current_stream():
+    rng = np.random.default_rng(7)
+    q, k, v = (random_array(rng, (2, 4, 1000, 64), "float16") for _ in range(3))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cuflash.attention(q, k, v)
+    stream.synchronize()
+    ref = cuflash.attention(q, k, v)
+    assert cupy.array_equal(out.view(np.uint16), ref.view(np.uint16))

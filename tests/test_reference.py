@@ -1,0 +1,518 @@
+"""CPU tests of the NumPy reference (cuflash.reference) and of the mask rule (cuflash._mask).
+
+No GPU and no CuPy needed. The reference is the oracle for every GPU test, so it is checked
+here against independent computations: a per-row loop, explicit repetition of broadcast
+inputs, and finite differences of the forward.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import mutually_broadcastable_shapes
+
+from cuflash import reference
+from cuflash._mask import (
+    allowed,
+    block_allowed,
+    block_needs_mask,
+    key_range,
+    normalize_window,
+)
+
+# Any RuntimeWarning (overflow, invalid value, divide by zero) is a failure: fully masked rows
+# and large logits must be handled without producing NaN on the way.
+pytestmark = pytest.mark.filterwarnings("error")
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies and helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def window_sides(max_side):
+    return st.one_of(st.none(), st.integers(0, max_side))
+
+
+@st.composite
+def masks(draw, max_side):
+    """(causal, window) as a user would pass them."""
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.tuples(window_sides(max_side), window_sides(max_side))))
+    return causal, window
+
+
+@st.composite
+def problems(draw, *, max_n, max_d, max_dims, max_side, logit_scales=(1.0,)):
+    """Random q, k, v with mutually broadcastable batch dims, a mask and a scale."""
+    shapes = draw(
+        mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=max_dims, min_side=1, max_side=max_side)
+    ).input_shapes
+    nq = draw(st.integers(1, max_n))
+    nk = draw(st.integers(1, max_n))
+    d = draw(st.integers(1, max_d))
+    dv = draw(st.integers(1, max_d))
+    causal, window = draw(masks(max_side=max_n + 2))
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0), st.floats(-2.0, -0.05)))
+    logit_scale = draw(st.sampled_from(logit_scales))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    # Scaling q and k by c scales the scores by c^2: c = 30 gives scores of order 1e3.
+    q = rng.standard_normal(shapes[0] + (nq, d)) * logit_scale
+    k = rng.standard_normal(shapes[1] + (nk, d)) * logit_scale
+    v = rng.standard_normal(shapes[2] + (nk, dv))
+    return dict(q=q, k=k, v=v, causal=causal, window=window, scale=scale)
+
+
+def assert_close(actual, expected, rtol, what, atol=0.0):
+    """Max-norm comparison: max|actual - expected| <= rtol * max|expected| + atol."""
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+    if expected.size == 0:
+        return
+    err = np.max(np.abs(actual - expected))
+    ref = np.max(np.abs(expected))
+    assert err <= rtol * ref + atol, f"{what}: max abs error {err:.3e}, max |ref| {ref:.3e}"
+
+
+def assert_lse_close(actual, expected, rtol, what="lse"):
+    """-inf exactly where expected is -inf; finite values agree to rtol (relative to max(1, |x|))."""
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    masked = np.isneginf(expected)
+    np.testing.assert_array_equal(np.isneginf(actual), masked, err_msg=f"{what}: -inf pattern")
+    a, e = actual[~masked], expected[~masked]
+    assert np.all(np.isfinite(a)), f"{what}: non-finite values"
+    if e.size:
+        err = np.max(np.abs(a - e) / np.maximum(1.0, np.abs(e)))
+        assert err <= rtol, f"{what}: max relative error {err:.3e}"
+
+
+def naive_attention(q, k, v, *, causal, window, scale):
+    """Row-by-row attention with Python loops: for each batch index and query row, gather the
+    keys the row may attend and apply a softmax to their scores."""
+    left, right = normalize_window(causal, window)
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q = np.broadcast_to(q, batch + (nq, d))
+    k = np.broadcast_to(k, batch + (nk, d))
+    v = np.broadcast_to(v, batch + (nk, dv))
+    mask = allowed(nq, nk, left, right)
+    out = np.zeros(batch + (nq, dv))
+    lse = np.full(batch + (nq,), -np.inf)
+    for b in np.ndindex(*batch):
+        for i in range(nq):
+            cols = [j for j in range(nk) if mask[i, j]]
+            if not cols:
+                continue
+            s = [scale * float(np.dot(q[b + (i,)], k[b + (j,)])) for j in cols]
+            mx = max(s)
+            w = [math.exp(x - mx) for x in s]
+            z = math.fsum(w)
+            for c in range(dv):
+                out[b + (i, c)] = math.fsum(wj * v[b + (j, c)] for wj, j in zip(w, cols)) / z
+            lse[b + (i,)] = mx + math.log(z)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) attention against a per-row loop
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(max_n=24, max_d=8, max_dims=2, max_side=3, logit_scales=(1.0, 4.0, 30.0)))
+def test_attention_matches_row_loop(p):
+    out, lse = reference.attention(**p, return_lse=True)
+    want_out, want_lse = naive_attention(**p)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert_close(out, want_out, 1e-11, "out")
+    assert_lse_close(lse, want_lse, 1e-12)
+    # Without return_lse the same output comes back alone.
+    out_only = reference.attention(**p)
+    assert isinstance(out_only, np.ndarray)
+    np.testing.assert_array_equal(out_only, out)
+
+
+def test_attention_small_example_by_hand():
+    # One query, two keys, scores 0 and log(3): weights 1/4 and 3/4.
+    q = np.array([[1.0]])
+    k = np.array([[0.0], [math.log(3.0)]])
+    v = np.array([[4.0, -8.0], [0.0, 8.0]])
+    out, lse = reference.attention(q, k, v, scale=1.0, return_lse=True)
+    np.testing.assert_allclose(out, [[1.0, 4.0]], rtol=1e-15)
+    np.testing.assert_allclose(lse, [math.log(4.0)], rtol=1e-15)
+
+
+def test_attention_accepts_bfloat16_and_float32():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 7, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 7, 4)).astype(np.float32)
+    bf = [x.astype(ml_dtypes.bfloat16) for x in (q, k, v)]
+    out = reference.attention(*bf, causal=True)
+    want = reference.attention(*(x.astype(np.float64) for x in bf), causal=True)
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out, want)
+    out32 = reference.attention(q, k, v, causal=True)
+    assert out32.dtype == np.float64
+    # bfloat16 rounding changes the inputs, so the results differ, but not by much.
+    assert 0 < np.max(np.abs(out32 - out)) < 0.1
+
+
+def test_large_logits_stay_finite():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((3, 40, 16)) * 60.0
+    k = rng.standard_normal((3, 50, 16)) * 60.0
+    v = rng.standard_normal((3, 50, 8))
+    out, lse = reference.attention(q, k, v, return_lse=True)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    assert np.max(np.abs(lse)) > 1e3  # the scores really are large
+    want_out, want_lse = naive_attention(q, k, v, causal=False, window=None, scale=None)
+    assert_close(out, want_out, 1e-11, "out")
+    assert_lse_close(lse, want_lse, 1e-12)
+
+
+def test_zero_length_dims():
+    # No keys: every row is fully masked.
+    out, lse = reference.attention(np.ones((2, 3, 4)), np.ones((2, 0, 4)), np.ones((2, 0, 5)), return_lse=True)
+    assert out.shape == (2, 3, 5) and lse.shape == (2, 3)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+    # No queries, or an empty batch: empty results.
+    out, lse = reference.attention(np.ones((0, 4)), np.ones((6, 4)), np.ones((6, 5)), return_lse=True)
+    assert out.shape == (0, 5) and lse.shape == (0,)
+    out = reference.attention(np.ones((0, 3, 4)), np.ones((6, 4)), np.ones((6, 5)))
+    assert out.shape == (0, 3, 5)
+    out, lse = reference.tiled_attention(np.ones((2, 3, 4)), np.ones((0, 4)), np.ones((0, 5)), return_lse=True)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+    dq, dk, dv = reference.attention_backward(
+        np.ones((3, 5)), np.ones((3, 4)), np.ones((0, 4)), np.ones((0, 5)), np.zeros((3, 5)), np.full(3, -np.inf)
+    )
+    assert dq.shape == (3, 4) and np.all(dq == 0) and dk.shape == (0, 4) and dv.shape == (0, 5)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((np.ones(4), np.ones((3, 4)), np.ones((3, 4))), "q must have at least 2 dims"),
+        ((np.ones((2, 4)), np.ones((3, 5)), np.ones((3, 4))), "same head dim"),
+        ((np.ones((2, 4)), np.ones((3, 4)), np.ones((2, 4))), "same number of keys"),
+        ((np.ones((2, 2, 4)), np.ones((3, 3, 4)), np.ones((3, 3, 4))), "must broadcast"),
+    ],
+)
+def test_reference_shape_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        reference.attention(*args)
+
+
+def test_reference_type_errors():
+    with pytest.raises(TypeError, match="q must have a real floating dtype"):
+        reference.attention(np.ones((2, 4), dtype=complex), np.ones((3, 4)), np.ones((3, 4)))
+    with pytest.raises(TypeError, match="scale"):
+        reference.attention(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 4)), scale="1")
+    with pytest.raises(ValueError, match="lse must have shape"):
+        reference.attention_backward(
+            np.ones((2, 4)), np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 4)), np.ones((2, 4)), np.ones(3)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) the tiled algorithm against the direct computation
+# ---------------------------------------------------------------------------------------------
+
+
+def check_tiled(p, block_m, block_n):
+    out, lse = reference.tiled_attention(**p, block_m=block_m, block_n=block_n, return_lse=True)
+    want_out, want_lse = reference.attention(**p, return_lse=True)
+    assert_close(out, want_out, 1e-10, "out")
+    assert_lse_close(lse, want_lse, 1e-10)
+
+
+@settings(max_examples=70, deadline=None)
+@given(
+    problems(max_n=200, max_d=16, max_dims=2, max_side=2, logit_scales=(1.0, 8.0, 30.0)),
+    st.sampled_from([16, 32, 64]),
+    st.sampled_from([16, 32, 64]),
+)
+def test_tiled_matches_attention(p, block_m, block_n):
+    check_tiled(p, block_m, block_n)
+
+
+@pytest.mark.parametrize("nq, nk", [(1, 1), (64, 64), (65, 63), (200, 17), (17, 200), (128, 129)])
+@pytest.mark.parametrize(
+    "causal, window",
+    [(False, None), (True, None), (False, (5, None)), (False, (None, 3)), (False, (7, 2)), (True, (40, None)),
+     (False, (0, 0))],
+)
+def test_tiled_edge_shapes(nq, nk, causal, window):
+    rng = np.random.default_rng(nq * 1000 + nk)
+    p = dict(
+        q=rng.standard_normal((2, nq, 16)) * 30.0,
+        k=rng.standard_normal((nk, 16)) * 30.0,
+        v=rng.standard_normal((2, nk, 8)),
+        causal=causal,
+        window=window,
+        scale=None,
+    )
+    check_tiled(p, 32, 16)
+
+
+def test_tiled_rejects_bad_blocks():
+    with pytest.raises(ValueError, match="block_n"):
+        reference.tiled_attention(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 4)), block_n=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) broadcasting: grouped-query attention equals explicit repetition
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 2),  # B
+    st.integers(1, 3),  # Hkv
+    st.integers(2, 4),  # G
+    st.integers(1, 20),  # Nq
+    st.integers(1, 20),  # Nk
+    masks(max_side=22),
+    st.integers(0, 2**32 - 1),
+)
+def test_gqa_equals_repetition(b, hkv, g, nq, nk, mask, seed):
+    causal, window = mask
+    rng = np.random.default_rng(seed)
+    d, dv = 8, 4
+    q = rng.standard_normal((b, hkv, g, nq, d))
+    k = rng.standard_normal((b, hkv, 1, nk, d))
+    v = rng.standard_normal((b, hkv, 1, nk, dv))
+    k_rep = np.repeat(k, g, axis=2)
+    v_rep = np.repeat(v, g, axis=2)
+    kw = dict(causal=causal, window=window)
+
+    out, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    out_rep, lse_rep = reference.attention(q, k_rep, v_rep, return_lse=True, **kw)
+    assert out.shape == (b, hkv, g, nq, dv)
+    assert_close(out, out_rep, 1e-13, "out")
+    assert_lse_close(lse, lse_rep, 1e-13)
+    out_tiled = reference.tiled_attention(q, k, v, block_m=16, block_n=16, **kw)
+    assert_close(out_tiled, out_rep, 1e-10, "tiled out")
+
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv_ = reference.attention_backward(dout, q, k, v, out, lse, **kw)
+    dq_r, dk_r, dv_r = reference.attention_backward(dout, q, k_rep, v_rep, out_rep, lse_rep, **kw)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv_.shape == v.shape
+    assert_close(dq, dq_r, 1e-12, "dq", atol=1e-14)
+    # The gradient of a broadcast input is the sum over the group of the repeated one's.
+    assert_close(dk, dk_r.sum(axis=2, keepdims=True), 1e-12, "dk", atol=1e-14)
+    assert_close(dv_, dv_r.sum(axis=2, keepdims=True), 1e-12, "dv")
+
+
+def test_broadcast_added_leading_dims():
+    # k and v without batch dims (MQA over everything) and q with two.
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 5, 4))
+    k = rng.standard_normal((6, 4))
+    v = rng.standard_normal((6, 3))
+    out, lse = reference.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    kb, vb = np.broadcast_to(k, (2, 3, 6, 4)), np.broadcast_to(v, (2, 3, 6, 3))
+    _, dk_b, dv_b = reference.attention_backward(dout, q, kb, vb, out, lse)
+    assert_close(dk, dk_b.sum(axis=(0, 1)), 1e-12, "dk")
+    assert_close(dv, dv_b.sum(axis=(0, 1)), 1e-12, "dv")
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) fully masked rows
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 30),  # Nk
+    st.integers(1, 30),  # extra rows: Nq = Nk + extra
+    st.one_of(st.none(), st.integers(0, 10)),  # window left
+    st.integers(0, 2**32 - 1),
+)
+def test_fully_masked_rows(nk, extra, left, seed):
+    nq = nk + extra
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, nq, 8))
+    k = rng.standard_normal((2, nk, 8))
+    v = rng.standard_normal((2, nk, 5))
+    kw = dict(causal=True, window=(left, None))
+    # off = Nk - Nq = -extra: rows i < extra have no key j <= i + off.
+    out, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    assert np.all(out[:, :extra] == 0)
+    assert np.all(np.isneginf(lse[:, :extra]))
+    assert np.all(np.isfinite(lse[:, extra:]))
+    assert np.all(np.any(out[:, extra:] != 0, axis=-1))
+
+    out_t, lse_t = reference.tiled_attention(q, k, v, block_m=16, block_n=16, return_lse=True, **kw)
+    assert np.all(out_t[:, :extra] == 0) and np.all(np.isneginf(lse_t[:, :extra]))
+
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, **kw)
+    assert np.all(dq[:, :extra] == 0)
+    assert np.all(np.isfinite(dk)) and np.all(np.isfinite(dv))
+    # The masked rows contribute nothing: dk and dv equal those of the problem without them,
+    # where the remaining rows see the same keys (square, causal).
+    q2, out2, lse2, dout2 = q[:, extra:], out[:, extra:], lse[:, extra:], dout[:, extra:]
+    dq2, dk2, dv2 = reference.attention_backward(dout2, q2, k, v, out2, lse2, **kw)
+    # (With Nk = 1 the exact dq and dk are 0 and only rounding remains: hence the atol.)
+    assert_close(dq[:, extra:], dq2, 1e-13, "dq", atol=1e-14)
+    assert_close(dk, dk2, 1e-13, "dk", atol=1e-14)
+    assert_close(dv, dv2, 1e-13, "dv", atol=1e-14)
+
+
+def test_fully_masked_by_window():
+    # Nq = 6, Nk = 2, window right = 1: off = -4, row i attends j <= i - 3, so rows 0..2 see nothing.
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((6, 3)), rng.standard_normal((2, 3)), rng.standard_normal((2, 2))
+    out, lse = reference.attention(q, k, v, window=(None, 1), return_lse=True)
+    assert np.all(out[:3] == 0) and np.all(np.isneginf(lse[:3])) and np.all(np.isfinite(lse[3:]))
+    dq, dk, dv = reference.attention_backward(rng.standard_normal(out.shape), q, k, v, out, lse, window=(None, 1))
+    assert np.all(dq[:3] == 0) and np.any(dq[3:] != 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) backward against finite differences
+# ---------------------------------------------------------------------------------------------
+
+
+def finite_difference(f, x, h=1e-5):
+    """Central differences of the scalar function f at every element of x."""
+    grad = np.zeros_like(x)
+    for idx in np.ndindex(*x.shape):
+        orig = x[idx]
+        x[idx] = orig + h
+        up = f()
+        x[idx] = orig - h
+        down = f()
+        x[idx] = orig
+        grad[idx] = (up - down) / (2 * h)
+    return grad
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(max_n=5, max_d=4, max_dims=2, max_side=2))
+def test_backward_matches_finite_differences(p):
+    q, k, v = p["q"], p["k"], p["v"]
+    kw = dict(causal=p["causal"], window=p["window"], scale=p["scale"])
+    out, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    dout = np.random.default_rng(int(abs(q.flat[0]) * 1e6)).standard_normal(out.shape)
+
+    def loss():
+        return float(np.sum(reference.attention(q, k, v, **kw) * dout))
+
+    dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, **kw)
+    assert dq.dtype == dk.dtype == dv.dtype == np.float64
+    for name, x, g in (("dq", q, dq), ("dk", k, dk), ("dv", v, dv)):
+        fd = finite_difference(loss, x)
+        assert g.shape == x.shape
+        err = np.max(np.abs(g - fd))
+        assert err <= 1e-6 * np.max(np.abs(fd)) + 1e-9, f"{name}: error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) the mask rule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_normalize_window_values():
+    assert normalize_window(False, None) == (None, None)
+    assert normalize_window(True, None) == (None, 0)
+    assert normalize_window(False, (3, None)) == (3, None)
+    assert normalize_window(False, [None, 2]) == (None, 2)
+    assert normalize_window(True, (4, 9)) == (4, 0)
+    assert normalize_window(True, (None, None)) == (None, 0)
+    left, right = normalize_window(False, (np.int64(5), np.uint8(1)))
+    assert (left, right) == (5, 1) and type(left) is int and type(right) is int
+    assert normalize_window(np.bool_(True), np.array([2, 3])) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "window, exc, match",
+    [
+        ((-1, None), ValueError, r"window\[0\].*non-negative.*-1"),
+        ((2, -3), ValueError, r"window\[1\].*non-negative.*-3"),
+        ((np.int32(-1), 0), ValueError, r"window\[0\]"),
+        ((True, 2), TypeError, r"window\[0\].*int.*True"),
+        ((1, np.bool_(False)), TypeError, r"window\[1\]"),
+        ((1.0, 2), TypeError, r"window\[0\].*int.*1\.0"),
+        ((1, 2.5), TypeError, r"window\[1\].*2\.5"),
+        ((1,), ValueError, r"window.*length 1"),
+        ((1, 2, 3), ValueError, r"window.*length 3"),
+        (5, TypeError, r"window must be None or a pair.*5"),
+        ("ab", TypeError, r"window must be None or a pair"),
+    ],
+)
+def test_normalize_window_errors(window, exc, match):
+    with pytest.raises(exc, match=match):
+        normalize_window(False, window)
+
+
+def test_normalize_window_rejects_non_bool_causal():
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        normalize_window(1, None)
+
+
+def test_allowed_drawing():
+    # The drawing in reference.attention's docstring.
+    np.testing.assert_array_equal(
+        allowed(3, 5, None, 0).astype(int), [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    )
+    np.testing.assert_array_equal(
+        allowed(5, 3, None, 0).astype(int), [[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    )
+    # A local window (1, 1) on a square matrix is tridiagonal.
+    np.testing.assert_array_equal(allowed(4, 4, 1, 1), np.abs(np.subtract.outer(range(4), range(4))) <= 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 12), window_sides(15), window_sides(15))
+def test_allowed_matches_rule(nq, nk, left, right):
+    mask = allowed(nq, nk, left, right)
+    assert mask.shape == (nq, nk) and mask.dtype == bool
+    off = nk - nq
+    for i in range(nq):
+        for j in range(nk):
+            lo_ok = left is None or j >= i + off - left
+            hi_ok = right is None or j <= i + off + right
+            assert mask[i, j] == (lo_ok and hi_ok), (i, j)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 40), window_sides(45), window_sides(45), st.data())
+def test_key_range_is_exact(nq, nk, left, right, data):
+    row_start = data.draw(st.integers(0, nq), label="row_start")
+    row_stop = data.draw(st.integers(row_start, nq + 8), label="row_stop")  # may run past Nq
+    lo, hi = key_range(row_start, row_stop, nq, nk, left, right)
+    assert 0 <= lo <= nk and 0 <= hi <= nk
+    cols = np.flatnonzero(allowed(nq, nk, left, right)[row_start:row_stop].any(axis=0))
+    if cols.size == 0:
+        assert hi <= lo
+    else:
+        np.testing.assert_array_equal(cols, np.arange(lo, hi))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), window_sides(45), window_sides(45), st.data())
+def test_block_needs_mask_is_exact(nq, nk, left, right, data):
+    row_start = data.draw(st.integers(0, nq - 1), label="row_start")
+    row_stop = data.draw(st.integers(row_start + 1, nq + 8), label="row_stop")
+    col_start = data.draw(st.integers(0, nk - 1), label="col_start")
+    col_stop = data.draw(st.integers(col_start + 1, nk + 8), label="col_stop")
+    needs = block_needs_mask(row_start, row_stop, col_start, col_stop, nq, nk, left, right)
+    tile = block_allowed(row_start, min(row_stop, nq), col_start, col_stop, nq, nk, left, right)
+    # Columns past Nk are never allowed, so the ragged end always needs the mask.
+    assert needs == (not tile.all())
+    # And the tile agrees with the full mask where they overlap.
+    np.testing.assert_array_equal(
+        tile[:, : max(0, min(col_stop, nk) - col_start)],
+        allowed(nq, nk, left, right)[row_start:row_stop, col_start:col_stop],
+    )
