@@ -53,12 +53,12 @@ def fwd_tiles(dtype_name: str, head_dim: int) -> FwdTiles:
 
     Each warp keeps 16 rows x dv_block output accumulators in registers; the
     key block shrinks as the head dim grows so that nothing spills. float32
-    operands take three registers each (see kernels/common.cuh), so at head
-    dim 256 its output columns are split over two blocks.
+    products run on the FMA units (see kernels/mma.cuh) and need more registers, so at head
+    dim 256 its output columns are split over four blocks.
     """
     if dtype_name == "float32":
         block_n = {32: 64, 64: 64, 96: 32}.get(head_dim, 16)
-        dv_block = 128 if head_dim == 256 else head_dim
+        dv_block = 64 if head_dim == 256 else head_dim
         return FwdTiles(head_dim, dv_block, block_m=64, block_n=block_n, warps=4)
     block_n = {32: 64, 64: 64, 96: 32, 128: 64, 192: 32}.get(head_dim, 16)
     return FwdTiles(head_dim, head_dim, block_m=64, block_n=block_n, warps=4)

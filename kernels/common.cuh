@@ -14,13 +14,12 @@ using u16 = unsigned short;
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Element types. `storage` is how one element sits in memory; `SPLITS` is how
-// many 16-bit tensor-core operands one element becomes. float32 is split into
-// three bfloat16 terms (hi + mid + lo carry all 24 mantissa bits), so the
-// tensor cores reproduce float32 products to float32 accuracy.
-struct f16  { using storage = u16;   static constexpr int SPLITS = 1; static constexpr bool MMA_F16 = true; };
-struct bf16 { using storage = u16;   static constexpr int SPLITS = 1; static constexpr bool MMA_F16 = false; };
-struct f32  { using storage = float; static constexpr int SPLITS = 3; static constexpr bool MMA_F16 = false; };
+// Element types; `storage` is how one element sits in memory. float16 and
+// bfloat16 multiply on the tensor cores; float32 keeps IEEE float32 products
+// and sums (see mma.cuh), so its results are as accurate as a float32 GEMM's.
+struct f16  { using storage = u16; };
+struct bf16 { using storage = u16; };
+struct f32  { using storage = float; };
 
 // Two floats -> one register of two 16-bit values, `lo` in the low half (the lower address).
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
@@ -35,26 +34,6 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 }
 __device__ __forceinline__ float bf16_lo_to_float(u32 x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf16_hi_to_float(u32 x) { return __uint_as_float(x & 0xffff0000u); }
-
-// A pair of floats as tensor-core operands: SPLITS registers of two 16-bit values.
-template <class T> struct Split;
-template <> struct Split<f16> {
-    __device__ __forceinline__ static void pair(float x, float y, u32 (&r)[1]) { r[0] = pack_f16x2(x, y); }
-};
-template <> struct Split<bf16> {
-    __device__ __forceinline__ static void pair(float x, float y, u32 (&r)[1]) { r[0] = pack_bf16x2(x, y); }
-};
-template <> struct Split<f32> {
-    // x = hi + mid + lo, each term the bfloat16 rounding of what the previous ones left.
-    __device__ __forceinline__ static void pair(float x, float y, u32 (&r)[3]) {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-            r[i] = pack_bf16x2(x, y);
-            x -= bf16_lo_to_float(r[i]);
-            y -= bf16_hi_to_float(r[i]);
-        }
-    }
-};
 
 // Stores two adjacent output elements (the address is aligned to the pair).
 template <class T> struct Store;

@@ -9,35 +9,57 @@
 
 namespace cuflash {
 
-template <class T> struct FragA { u32 r[T::SPLITS][4]; };
-template <class T> struct FragB { u32 r[T::SPLITS][2]; };
+// Register fragments. 16-bit types hold two elements per register, as the
+// tensor cores take them; float32 holds the same elements as plain floats.
+template <class T> struct FragA { u32 r[4]; };
+template <class T> struct FragB { u32 r[2]; };
+template <> struct FragA<f32> { float r[8]; };   // (a0.x, a0.y, a1.x, a1.y, a2.x, ...)
+template <> struct FragB<f32> { float r[4]; };   // (b0.x, b0.y, b1.x, b1.y)
 
-template <bool F16>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-    if (F16) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+__device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<f16>& a, const FragB<f16>& b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+}
+__device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<bf16>& a, const FragB<bf16>& b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+}
+// The same 16x8x16 product for float32, on the FMA units: each thread gathers
+// the A row parts and B column parts it needs from the lanes that hold them.
+// Tensor cores accumulate with less than float32 rounding; this keeps float32
+// inputs as accurate as a float32 GEMM.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<f32>& a, const FragB<f32>& b) {
+    const int lane = threadIdx.x % 32, quad = lane & ~3, t = lane & 3;
+#pragma unroll
+    for (int src = 0; src < 4; ++src) {   // the quad lane holding k = 2src, 2src+1, 2src+8, 2src+9
+        float a_g[4], a_g8[4];            // A rows g and g+8 at those k
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int x = (i & 1) + 4 * (i >> 1);   // a0.x a0.y a2.x a2.y (row g), +2 for row g+8
+            a_g[i] = __shfl_sync(0xffffffffu, a.r[x], quad | src);
+            a_g8[i] = __shfl_sync(0xffffffffu, a.r[x + 2], quad | src);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {     // output column 2t + j is B column n = 2t + j, held by lanes 4n..4n+3
+            float acc_g = c[j], acc_g8 = c[2 + j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float bk = __shfl_sync(0xffffffffu, b.r[i], 4 * (2 * t + j) + src);
+                acc_g = fmaf(a_g[i], bk, acc_g);
+                acc_g8 = fmaf(a_g8[i], bk, acc_g8);
+            }
+            c[j] = acc_g;
+            c[2 + j] = acc_g8;
+        }
     }
 }
 
-// c += a * b. A split operand (float32) multiplies term by term, keeping the
-// products whose size is within float32's precision (i + j <= SPLITS - 1),
-// smallest first.
 template <class T>
-__device__ __forceinline__ void mma(float (&c)[4], const FragA<T>& a, const FragB<T>& b) {
-#pragma unroll
-    for (int order = T::SPLITS - 1; order >= 0; --order) {
-#pragma unroll
-        for (int i = 0; i <= order; ++i) mma_16816<T::MMA_F16>(c, a.r[i], b.r[order - i]);
-    }
-}
+__device__ __forceinline__ void mma(float (&c)[4], const FragA<T>& a, const FragB<T>& b) { mma_16816(c, a, b); }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -59,8 +81,7 @@ __device__ __forceinline__ float lds_float(u32 addr) {
     return v;
 }
 
-// Operand loads. 16-bit tiles use ldmatrix; float32 tiles are read as floats
-// and split into bfloat16 terms on the way into registers.
+// Operand loads. 16-bit tiles use ldmatrix; float32 tiles are read as floats.
 //   load_a:         A = tile[row0 .. row0+16, col0 .. col0+16]
 //   load_b_rows:    two B fragments for n = row0 .. row0+16 in steps of 8, k = col0 .. col0+16,
 //                   where B[k][n] = tile[n][k] (the tile holds B transposed: K for Q K^T)
@@ -69,21 +90,21 @@ __device__ __forceinline__ float lds_float(u32 addr) {
 template <class T, class Tile> struct Operands {
     __device__ __forceinline__ static void load_a(FragA<T>& a, u32 s_tile, int row0, int col0) {
         const int lane = threadIdx.x % 32;
-        ldmatrix_x4(a.r[0], s_tile + Tile::offset(row0 + (lane & 15), col0 + (lane >> 4) * 8));
+        ldmatrix_x4(a.r, s_tile + Tile::offset(row0 + (lane & 15), col0 + (lane >> 4) * 8));
     }
     __device__ __forceinline__ static void load_b_rows(FragB<T> (&b)[2], u32 s_tile, int row0, int col0) {
         const int lane = threadIdx.x % 32, mi = lane >> 3;
         u32 r[4];
         ldmatrix_x4(r, s_tile + Tile::offset(row0 + (lane & 7) + (mi >> 1) * 8, col0 + (mi & 1) * 8));
-        b[0].r[0][0] = r[0]; b[0].r[0][1] = r[1];
-        b[1].r[0][0] = r[2]; b[1].r[0][1] = r[3];
+        b[0].r[0] = r[0]; b[0].r[1] = r[1];
+        b[1].r[0] = r[2]; b[1].r[1] = r[3];
     }
     __device__ __forceinline__ static void load_b_cols(FragB<T> (&b)[2], u32 s_tile, int row0, int col0) {
         const int lane = threadIdx.x % 32, mi = lane >> 3;
         u32 r[4];
         ldmatrix_x4_trans(r, s_tile + Tile::offset(row0 + (lane & 7) + (mi & 1) * 8, col0 + (mi >> 1) * 8));
-        b[0].r[0][0] = r[0]; b[0].r[0][1] = r[1];
-        b[1].r[0][0] = r[2]; b[1].r[0][1] = r[3];
+        b[0].r[0] = r[0]; b[0].r[1] = r[1];
+        b[1].r[0] = r[2]; b[1].r[1] = r[3];
     }
 };
 
@@ -93,61 +114,54 @@ template <class Tile> struct Operands<f32, Tile> {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {   // a_i: row g + 8 (i & 1), cols 2t + 8 (i >> 1)
             const float2 x = lds_float2(s_tile + Tile::offset(row0 + g + 8 * (i & 1), col0 + 2 * t + 8 * (i >> 1)));
-            u32 s[3];
-            Split<f32>::pair(x.x, x.y, s);
-#pragma unroll
-            for (int p = 0; p < 3; ++p) a.r[p][i] = s[p];
+            a.r[2 * i] = x.x;
+            a.r[2 * i + 1] = x.y;
         }
     }
     __device__ __forceinline__ static void load_b_rows(FragB<f32> (&b)[2], u32 s_tile, int row0, int col0) {
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {   // b_i: k = 2t + 8i, n = g
+            for (int i = 0; i < 2; ++i) {   // b_i: k = 2t + 8i and the next, n = g
                 const float2 x = lds_float2(s_tile + Tile::offset(row0 + 8 * n + g, col0 + 2 * t + 8 * i));
-                u32 s[3];
-                Split<f32>::pair(x.x, x.y, s);
-#pragma unroll
-                for (int p = 0; p < 3; ++p) b[n].r[p][i] = s[p];
+                b[n].r[2 * i] = x.x;
+                b[n].r[2 * i + 1] = x.y;
             }
-        }
     }
     __device__ __forceinline__ static void load_b_cols(FragB<f32> (&b)[2], u32 s_tile, int row0, int col0) {
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {   // b_i: k = 2t + 8i and the next, n = g
                 const int k = row0 + 2 * t + 8 * i, col = col0 + 8 * n + g;
-                const float x = lds_float(s_tile + Tile::offset(k, col));
-                const float y = lds_float(s_tile + Tile::offset(k + 1, col));
-                u32 s[3];
-                Split<f32>::pair(x, y, s);
-#pragma unroll
-                for (int p = 0; p < 3; ++p) b[n].r[p][i] = s[p];
+                b[n].r[2 * i] = lds_float(s_tile + Tile::offset(k, col));
+                b[n].r[2 * i + 1] = lds_float(s_tile + Tile::offset(k + 1, col));
             }
-        }
     }
 };
 
 // The A fragment of P for keys 16j .. 16j+15 from the score accumulators of
 // n-tiles 2j and 2j+1 (C layout of two m16n8 tiles = A layout of one m16k16).
-template <class T>
-__device__ __forceinline__ void scores_to_a(FragA<T>& a, const float (&c0)[4], const float (&c1)[4]) {
-    u32 s[T::SPLITS];
-    Split<T>::pair(c0[0], c0[1], s);
+__device__ __forceinline__ void scores_to_a(FragA<f16>& a, const float (&c0)[4], const float (&c1)[4]) {
+    a.r[0] = pack_f16x2(c0[0], c0[1]);
+    a.r[1] = pack_f16x2(c0[2], c0[3]);
+    a.r[2] = pack_f16x2(c1[0], c1[1]);
+    a.r[3] = pack_f16x2(c1[2], c1[3]);
+}
+__device__ __forceinline__ void scores_to_a(FragA<bf16>& a, const float (&c0)[4], const float (&c1)[4]) {
+    a.r[0] = pack_bf16x2(c0[0], c0[1]);
+    a.r[1] = pack_bf16x2(c0[2], c0[3]);
+    a.r[2] = pack_bf16x2(c1[0], c1[1]);
+    a.r[3] = pack_bf16x2(c1[2], c1[3]);
+}
+__device__ __forceinline__ void scores_to_a(FragA<f32>& a, const float (&c0)[4], const float (&c1)[4]) {
 #pragma unroll
-    for (int p = 0; p < T::SPLITS; ++p) a.r[p][0] = s[p];
-    Split<T>::pair(c0[2], c0[3], s);
-#pragma unroll
-    for (int p = 0; p < T::SPLITS; ++p) a.r[p][1] = s[p];
-    Split<T>::pair(c1[0], c1[1], s);
-#pragma unroll
-    for (int p = 0; p < T::SPLITS; ++p) a.r[p][2] = s[p];
-    Split<T>::pair(c1[2], c1[3], s);
-#pragma unroll
-    for (int p = 0; p < T::SPLITS; ++p) a.r[p][3] = s[p];
+    for (int e = 0; e < 4; ++e) {
+        a.r[e] = c0[e];
+        a.r[4 + e] = c1[e];
+    }
 }
 
 }  // namespace cuflash

@@ -1,0 +1,21 @@
+"""Small forward calls over a representative set of specializations, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python tools/sanitize_cases.py
+"""
+
+import cupy
+import ml_dtypes  # noqa: F401
+import numpy as np
+
+import cuflash
+
+rng = np.random.default_rng(0)
+for dtype in ("float16", "bfloat16", "float32"):
+    for d in (64, 128, 256):
+        for mask in ({}, {"causal": True}, {"window": (17, 5)}):
+            q = cupy.asarray(rng.standard_normal((2, 67, d), dtype=np.float32)).astype(dtype)
+            k = cupy.asarray(rng.standard_normal((2, 93, d), dtype=np.float32)).astype(dtype)
+            v = cupy.asarray(rng.standard_normal((2, 93, d), dtype=np.float32)).astype(dtype)
+            out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
+            cupy.cuda.Device().synchronize()
+            print(dtype, d, mask, "finite:", bool(cupy.isfinite(out.astype(np.float32)).all()))
