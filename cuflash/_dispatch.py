@@ -53,8 +53,8 @@ def fwd_tiles(dtype_name: str, head_dim: int) -> FwdTiles:
 
     Each warp keeps 16 rows x dv_block output accumulators in registers; the
     key block shrinks as the head dim grows so that nothing spills. float32
-    products run on the FMA units (see kernels/mma.cuh) and need more registers, so at head
-    dim 256 its output columns are split over four blocks.
+    products run on the FMA units (kernels/mma.cuh) and need more registers,
+    so at head dim 256 its output columns are split over four blocks.
     """
     if dtype_name == "float32":
         block_n = {32: 64, 64: 64, 96: 32}.get(head_dim, 16)
