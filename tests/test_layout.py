@@ -1,0 +1,70 @@
+"""Kernel-side layout on the CPU: the source joins, the batch-dim merging is exact."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuflash import _checks, _compile, _dispatch, _params
+
+
+def test_kernel_source_has_every_file():
+    src = _compile.kernel_source()
+    for name in _compile.KERNEL_FILES:
+        assert f"// ---- {name} ----" in src
+    assert "attn_fwd(const AttnParams p)" in src
+
+
+def test_specializations_cover_every_dtype_and_bucket():
+    names = _dispatch.all_specializations()
+    assert len(names) == len(set(names)) == len(_dispatch.ELEMENT_TYPES) * len(_dispatch.HEAD_DIM_BUCKETS)
+    for tiles in (_dispatch.fwd_tiles(dt, hd) for dt in _dispatch.ELEMENT_TYPES for hd in _dispatch.HEAD_DIM_BUCKETS):
+        assert tiles.smem_bytes(4) <= 227 * 1024
+
+
+def test_head_dim_bucket():
+    assert _dispatch.head_dim_bucket(0, 0) == 32
+    assert _dispatch.head_dim_bucket(72, 8) == 96
+    assert _dispatch.head_dim_bucket(64, 136) == 192
+
+
+def test_params_record_is_all_8_byte_fields():
+    assert all(_params.PARAMS_DTYPE.fields[f][0].base.itemsize == 8 for f in _params.PARAMS_DTYPE.names)
+
+
+@st.composite
+def broadcast_views(draw):
+    nd = draw(st.integers(0, 4))
+    batch = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    arrays = []
+    for _ in range(3):
+        keep = draw(st.integers(0, nd))  # trailing batch dims this tensor has
+        shape = tuple(n if draw(st.booleans()) else 1 for n in batch[nd - keep:])
+        base = np.empty(shape + (5, 8), dtype=np.float16)
+        if shape and draw(st.booleans()):  # a permuted-storage view
+            base = np.empty((5,) + shape + (8,), dtype=np.float16)
+            base = np.moveaxis(base, 0, -2)
+        arrays.append(base)
+    return batch, arrays
+
+
+@settings(max_examples=200, deadline=None)
+@given(broadcast_views())
+def test_merged_batch_layout_addresses_the_same_elements(case):
+    batch, arrays = case
+    shape, strides = _checks._batch_layout(batch, arrays)
+    assert len(shape) <= _params.MAX_BATCH_DIMS
+    assert int(np.prod(shape, dtype=np.int64)) == int(np.prod(batch, dtype=np.int64))
+    for x, st_ in zip(arrays, strides):
+        full = np.broadcast_to(x, batch + x.shape[-2:])
+        for flat, idx in enumerate(itertools.product(*(range(n) for n in batch))):
+            # decompose the flat batch index the way the kernel does (innermost dim first)
+            b, offset = flat, 0
+            for n, s in zip(reversed(shape), reversed(st_)):
+                offset += (b % n) * s
+                b //= n
+            expected = (full[idx].__array_interface__["data"][0] - x.__array_interface__["data"][0]) // x.itemsize
+            assert offset == expected
