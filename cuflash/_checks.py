@@ -78,6 +78,25 @@ def require_cupy():
     return cupy
 
 
+_gpu_error: str | None = None
+
+
+def require_gpu(cupy) -> None:
+    """Raises RuntimeError, saying what is missing, when CuPy sees no CUDA GPU."""
+    global _gpu_error
+    if _gpu_error is None:
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+            _gpu_error = "" if count > 0 else "CUDA reports no devices"
+        except Exception as err:  # no driver, no device
+            _gpu_error = f"{type(err).__name__}: {err}"
+    if _gpu_error:
+        raise RuntimeError(
+            f"cuflash's GPU functions need an NVIDIA GPU and driver; none was found ({_gpu_error}). "
+            "cuflash.reference runs the same computation with NumPy on the CPU."
+        )
+
+
 def check_arrays(cupy, **arrays) -> str:
     """Checks that every argument is a CuPy array of one supported dtype on one device.
 
@@ -185,6 +204,7 @@ def _batch_layout(batch_shape, arrays):
 
 def attention_inputs(q, k, v, causal, window, scale) -> AttnInputs:
     cupy = require_cupy()
+    require_gpu(cupy)
     dtype_name = check_arrays(cupy, q=q, k=k, v=v)
     batch_shape = check_shapes(q.shape, k.shape, v.shape)
     nq, d = q.shape[-2:]

@@ -9,11 +9,32 @@ import cuflash
 from cuflash import _checks
 
 
+from conftest import GPU_MISSING, requires_gpu
+
+
+@requires_gpu
 def test_numpy_input_says_how_to_convert():
-    pytest.importorskip("cupy")
     q = np.ones((4, 8), dtype=np.float16)
     with pytest.raises(TypeError, match=r"q must be a cupy.ndarray.*cupy.asarray\(q\)"):
         cuflash.attention(q, q, q)
+
+
+@pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
+def test_without_gpu_says_what_is_missing():
+    pytest.importorskip("cupy")
+    q = np.ones((4, 8), dtype=np.float16)
+    with pytest.raises(RuntimeError, match="need an NVIDIA GPU.*cuflash.reference"):
+        cuflash.attention(q, q, q)
+
+
+def test_without_cupy_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now raises ImportError
+    q = np.ones((4, 8), dtype=np.float16)
+    with pytest.raises(ImportError, match=r"need CuPy: pip install 'cuflash\[cuda12\]'"):
+        cuflash.attention(q, q, q)
+    assert cuflash.reference.attention(q, q, q).shape == (4, 8)
 
 
 @pytest.mark.parametrize(
