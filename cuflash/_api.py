@@ -59,3 +59,55 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         if x.batch_size and x.nq:
             _dispatch.launch_forward(x, out, lse)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None):
+    """Gradients of ``attention`` with respect to q, k and v.
+
+    Recomputes the scores block by block from q, k and the forward's ``lse``;
+    extra device memory is O(N). Deterministic: the same inputs give bitwise
+    identical gradients.
+
+    Parameters
+    ----------
+    dout : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv)
+        Gradient of the loss with respect to ``out``.
+    q, k, v, causal, window, scale
+        As given to ``attention``.
+    out, lse : cupy.ndarray
+        The forward's results (``attention(..., return_lse=True)``).
+
+    Returns
+    -------
+    dq, dk, dv : cupy.ndarray
+        Shapes and dtypes of q, k, v; the gradient of a broadcast input is
+        summed over the dims it was broadcast along.
+
+    See Also
+    --------
+    cuflash.reference.attention_backward : the NumPy float64 version.
+    """
+    x = _checks.attention_inputs(q, k, v, causal, window, scale)
+    cupy = _checks.require_cupy()
+    out, dout, lse = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
+    with x.q.device:
+        shape = x.batch_shape
+        delta = cupy.empty(shape + (x.nq,), dtype=cupy.float32)
+        dq = cupy.empty(shape + (x.nq, x.d), dtype=x.q.dtype)
+        dk = cupy.empty(shape + (x.nk, x.d), dtype=x.q.dtype)
+        dv = cupy.empty(shape + (x.nk, x.dv), dtype=x.q.dtype)
+        if x.batch_size:
+            _dispatch.launch_backward(x, out, lse, dout, delta, dq, dk, dv)
+        return tuple(_sum_to_shape(cupy, g, orig.shape) for g, orig in ((dq, q), (dk, k), (dv, v)))
+
+
+def _sum_to_shape(cupy, g, shape):
+    """Sums a gradient over the batch dims its input was broadcast along (in float32)."""
+    if g.shape == tuple(shape):
+        return g
+    extra = g.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(
+        extra + i for i, n in enumerate(shape[:-2]) if n == 1 and g.shape[extra + i] != 1
+    )
+    total = g.astype(cupy.float32).sum(axis=axes, keepdims=True)
+    return total.reshape(shape).astype(g.dtype)

@@ -220,3 +220,27 @@ def attention_inputs(q, k, v, causal, window, scale) -> AttnInputs:
         q, k, v, dtype_name, batch_shape, nq, nk, d, dv, left, right, scale,
         row_strides, kshape, kstrides,
     )
+
+
+def backward_arrays(cupy, x: AttnInputs, **arrays):
+    """Checks out, dout (broadcast(batch) + (Nq, Dv), the inputs' dtype) and lse
+    (broadcast(batch) + (Nq,), float32); returns them contiguous, in that order."""
+    want = {
+        "out": (x.batch_shape + (x.nq, x.dv), x.q.dtype),
+        "dout": (x.batch_shape + (x.nq, x.dv), x.q.dtype),
+        "lse": (x.batch_shape + (x.nq,), np.dtype(np.float32)),
+    }
+    result = []
+    for name, (shape, dtype) in want.items():
+        a = arrays[name]
+        if not isinstance(a, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray, got {type(a).__module__}.{type(a).__qualname__}")
+        if a.shape != shape or a.dtype != dtype:
+            raise ValueError(
+                f"{name} must have shape {shape} and dtype {dtype} (from q, k, v), "
+                f"got shape {a.shape} and dtype {a.dtype}"
+            )
+        if a.device.id != x.q.device.id:
+            raise ValueError(f"{name} is on device {a.device.id}, q on device {x.q.device.id}")
+        result.append(cupy.ascontiguousarray(a))
+    return tuple(result)

@@ -24,6 +24,7 @@ KERNEL_FILES = (
     "softmax.cuh",
     "tile_config.cuh",
     "attn_fwd.cuh",
+    "attn_bwd.cuh",
 )
 
 
@@ -50,7 +51,11 @@ def nvrtc_options(arch: str) -> tuple[str, ...]:
 
 
 def _common_options() -> tuple[str, ...]:
-    return ("--std=c++17", f"-DCUFLASH_PARAMS_BYTES={_params.PARAMS_DTYPE.itemsize}")
+    return (
+        "--std=c++17",
+        f"-DCUFLASH_PARAMS_BYTES={_params.PARAMS_DTYPE.itemsize}",
+        f"-DCUFLASH_BWD_PARAMS_BYTES={_params.BWD_PARAMS_DTYPE.itemsize}",
+    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -70,9 +70,53 @@ def fwd_name(dtype_name: str, tiles: FwdTiles) -> str:
     return f"cuflash::attn_fwd<{elem}, {t.head_dim}, {t.dv_block}, {t.block_m}, {t.block_n}, {t.warps}>"
 
 
+@dataclass(frozen=True)
+class BwdTiles:
+    head_dim: int  # d and dv padded up to this bucket
+    dcol: int  # gradient columns per thread block (a grid dimension when < head_dim)
+    step: int  # rows of the streamed side per pipeline step
+    warps: int  # each owns 16 resident rows
+
+    @property
+    def resident(self) -> int:
+        return 16 * self.warps
+
+    def smem_bytes(self, itemsize: int) -> int:
+        # tile_config.cuh: BwdConfig::SMEM_BYTES
+        tiles = 2 * self.resident + 4 * self.step
+        return tiles * self.head_dim * itemsize + 4 * self.step * 4
+
+
+def bwd_tiles(dtype_name: str, head_dim: int) -> BwdTiles:
+    """Tile shape of the backward kernels for one (dtype, head-dim bucket).
+
+    A warp keeps 16 rows x dcol accumulators of dk and dv (or of dq) plus two
+    16 x step score tiles in registers; wide head dims split the gradient
+    columns over blocks (each recomputing the scores) so that nothing spills.
+    """
+    if dtype_name == "float32":
+        return BwdTiles(head_dim, 32, 16, warps=4)
+    dcol = {192: 96, 256: 128}.get(head_dim, head_dim)
+    step = {32: 64, 64: 64, 128: 16, 256: 16}.get(head_dim, 32)
+    return BwdTiles(head_dim, dcol, step, warps=4)
+
+
+def bwd_names(dtype_name: str, tiles: BwdTiles) -> tuple[str, str, str]:
+    """(delta, dk/dv, dq) kernel name expressions."""
+    t = tiles
+    elem = ELEMENT_TYPES[dtype_name][0]
+    args = f"{elem}, {t.head_dim}, {t.dcol}, {t.step}, {t.warps}"
+    return (f"cuflash::attn_bwd_delta<{elem}>", f"cuflash::attn_bwd_dkdv<{args}>", f"cuflash::attn_bwd_dq<{args}>")
+
+
 def all_specializations() -> list[str]:
     """Every kernel name expression the library can launch."""
-    return [fwd_name(dt, fwd_tiles(dt, hd)) for dt in ELEMENT_TYPES for hd in HEAD_DIM_BUCKETS]
+    names = []
+    for dt in ELEMENT_TYPES:
+        for hd in HEAD_DIM_BUCKETS:
+            names.append(fwd_name(dt, fwd_tiles(dt, hd)))
+            names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd)) if n not in names)
+    return names
 
 
 def launch_forward(inputs, out, lse) -> None:
@@ -84,3 +128,24 @@ def launch_forward(inputs, out, lse) -> None:
     params = _params.attn_params(x, out, lse, tiles.block_m)
     grid = (int(params[0]["num_m_blocks"]) * x.batch_size, max(1, -(-x.dv // tiles.dv_block)))
     fn(grid, (tiles.warps * 32,), (params,), shared_mem=smem)
+
+
+def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
+    """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks."""
+    x = inputs
+    tiles = bwd_tiles(x.dtype_name, head_dim_bucket(x.d, x.dv))
+    smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
+    delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
+    params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, tiles.resident)
+    record = params[0]
+    rows = x.batch_size * x.nq
+    if rows:
+        _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (params,))
+    threads = (tiles.warps * 32,)
+    col_blocks = max(1, -(-max(x.d, x.dv) // tiles.dcol))
+    if x.nk:
+        fn = _compile.get_function(dkdv_name, smem)
+        fn((int(record["num_n_blocks"]) * x.batch_size, col_blocks), threads, (params,), shared_mem=smem)
+    if x.nq:
+        fn = _compile.get_function(dq_name, smem)
+        fn((int(record["num_m_blocks"]) * x.batch_size, col_blocks), threads, (params,), shared_mem=smem)

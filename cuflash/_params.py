@@ -30,6 +30,29 @@ PARAMS_DTYPE = np.dtype(
 )
 
 
+BWD_PARAMS_DTYPE = np.dtype(
+    PARAMS_DTYPE.descr
+    + [
+        ("dout", np.uint64), ("delta", np.uint64), ("dq", np.uint64), ("dk", np.uint64), ("dv_grad", np.uint64),
+        ("num_n_blocks", np.int64), ("batch_size", np.int64),
+    ]
+)
+
+
+def bwd_params(inputs, out, lse, dout, delta, dq, dk, dv, resident: int) -> np.ndarray:
+    """One ``BwdParams`` record; query and key blocks of ``resident`` rows."""
+    fwd = attn_params(inputs, out, lse, resident)
+    p = np.zeros(1, dtype=BWD_PARAMS_DTYPE)
+    for name in PARAMS_DTYPE.names:
+        p[0][name] = fwd[0][name]
+    r = p[0]
+    r["dout"], r["delta"] = dout.data.ptr, delta.data.ptr
+    r["dq"], r["dk"], r["dv_grad"] = dq.data.ptr, dk.data.ptr, dv.data.ptr
+    r["num_n_blocks"] = -(-inputs.nk // resident)
+    r["batch_size"] = inputs.batch_size
+    return p
+
+
 def attn_params(inputs, out, lse, block_m: int) -> np.ndarray:
     """One ``AttnParams`` record (a length-1 structured array) for a forward launch."""
     x = inputs

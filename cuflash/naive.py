@@ -44,3 +44,29 @@ def _matmul(a, b):
     if a.dtype.name == "bfloat16":
         return cupy.matmul(a.astype(cupy.float32), b.astype(cupy.float32)).astype(a.dtype)
     return cupy.matmul(a, b)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None):
+    """The matmul/softmax chain differentiated by hand, in the inputs' dtype
+    (softmax and its gradient in float32), with the full (Nq, Nk) matrices.
+    Assumes q, k, v share their batch shape (no broadcasting)."""
+    import cupy
+
+    left, right = normalize_window(causal, window)
+    nq, d = q.shape[-2:]
+    nk = k.shape[-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    s = _matmul(q, cupy.swapaxes(k, -1, -2)).astype(cupy.float32) * cupy.float32(scale)
+    if left is not None or right is not None:
+        s = cupy.where(cupy.asarray(allowed(nq, nk, left, right)), s, cupy.float32(-cupy.inf))
+    lse_ = cupy.where(cupy.isfinite(lse), lse, cupy.float32(cupy.inf))[..., None]
+    p = cupy.exp(s - lse_)
+    p_t = p.astype(q.dtype)
+    dv = _matmul(cupy.swapaxes(p_t, -1, -2), dout)
+    dp = _matmul(dout, cupy.swapaxes(v, -1, -2)).astype(cupy.float32)
+    delta = (dout.astype(cupy.float32) * out.astype(cupy.float32)).sum(axis=-1, keepdims=True)
+    ds = (p * (dp - delta) * cupy.float32(scale)).astype(q.dtype)
+    dq = _matmul(ds, k)
+    dk = _matmul(cupy.swapaxes(ds, -1, -2), q)
+    return dq, dk, dv

@@ -68,12 +68,7 @@ attn_fwd(const AttnParams p) {
     };
 
     float acc[M_TILES][D_TILES][4];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+    fill_zero(acc);
     OnlineSoftmax<M_TILES> softmax;
     const float scale_log2 = float(p.scale_log2);
 
@@ -91,12 +86,7 @@ attn_fwd(const AttnParams p) {
 
         // s = q k^T for this warp's rows and the block's keys
         float s[M_TILES][N_TILES][4];
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        fill_zero(s);
 #pragma unroll
         for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
             FragA<T> a[M_TILES];
@@ -115,12 +105,7 @@ attn_fwd(const AttnParams p) {
         }
 
         // scale into the log2 domain, then hide what the band excludes
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+        scale_by(s, scale_log2);
         const int n0 = nb * BLOCK_N;
         if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) apply_band(s, band, m0 + warp_row0, n0);
 

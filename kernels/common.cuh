@@ -17,9 +17,11 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 // Element types; `storage` is how one element sits in memory. float16 and
 // bfloat16 multiply on the tensor cores; float32 keeps IEEE float32 products
 // and sums (see mma.cuh), so its results are as accurate as a float32 GEMM's.
-struct f16  { using storage = u16; };
-struct bf16 { using storage = u16; };
-struct f32  { using storage = float; };
+// K_UNROLL: how far head-dim loops unroll; float32's emulated products need
+// many registers per step, so its loops stay rolled.
+struct f16  { using storage = u16;   static constexpr int K_UNROLL = 16; };
+struct bf16 { using storage = u16;   static constexpr int K_UNROLL = 16; };
+struct f32  { using storage = float; static constexpr int K_UNROLL = 2; };
 
 // Two floats -> one register of two 16-bit values, `lo` in the low half (the lower address).
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
@@ -47,6 +49,42 @@ template <> struct Store<f32> {
     __device__ __forceinline__ static void pair(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
 };
 
+// Loads one element as float.
+template <class T> struct Load;
+template <> struct Load<f16> {
+    __device__ __forceinline__ static float one(const u16* p) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+        return f;
+    }
+};
+template <> struct Load<bf16> {
+    __device__ __forceinline__ static float one(const u16* p) { return __uint_as_float(u32(*p) << 16); }
+};
+template <> struct Load<f32> {
+    __device__ __forceinline__ static float one(const float* p) { return *p; }
+};
+
+// Accumulator tiles (C fragments): clear and scale.
+template <int A, int B>
+__device__ __forceinline__ void fill_zero(float (&x)[A][B][4]) {
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int b = 0; b < B; ++b)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[a][b][e] = 0.f;
+}
+template <int A, int B>
+__device__ __forceinline__ void scale_by(float (&x)[A][B][4], float f) {
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int b = 0; b < B; ++b)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[a][b][e] *= f;
+}
+
 // Reductions over the four lanes that share one row of an MMA fragment.
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -55,6 +93,11 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
 }
 
 }  // namespace cuflash

@@ -16,6 +16,11 @@ struct Band {
     __device__ __forceinline__ bool allows(int row, int col) const {
         return col < nk && col <= row + off + right && col >= row + off - left;
     }
+    // Rows [lo, hi) that attend some key in [key_begin, key_end); empty if hi <= lo.
+    __device__ __forceinline__ void row_range(int key_begin, int key_end, int nq, int& lo, int& hi) const {
+        lo = max(0, key_begin - off - right);
+        hi = min(nq, key_end - 1 - off + left + 1);
+    }
     // Keys [lo, hi) that some row in [row_begin, row_end) attends; empty if hi <= lo.
     __device__ __forceinline__ void key_range(int row_begin, int row_end, int& lo, int& hi) const {
         lo = max(0, row_begin + off - left);
@@ -29,7 +34,8 @@ struct Band {
 
 // Writes -inf over the scores a row may not see. s holds the C fragments of
 // M_TILES x N_TILES m16n8 tiles; row0/col0 locate the warp's first element.
-template <int M_TILES, int N_TILES>
+// KEYS_IN_ROWS: the tile is transposed (rows are keys, columns queries).
+template <bool KEYS_IN_ROWS = false, int M_TILES, int N_TILES>
 __device__ __forceinline__ void apply_band(float (&s)[M_TILES][N_TILES][4], const Band& band, int row0, int col0) {
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
@@ -40,7 +46,7 @@ __device__ __forceinline__ void apply_band(float (&s)[M_TILES][N_TILES][4], cons
             for (int e = 0; e < 4; ++e) {
                 const int row = row0 + mt * 16 + g + 8 * (e >> 1);
                 const int col = col0 + nt * 8 + 2 * t + (e & 1);
-                if (!band.allows(row, col)) s[mt][nt][e] = -CUFLASH_INF;
+                if (!(KEYS_IN_ROWS ? band.allows(col, row) : band.allows(row, col))) s[mt][nt][e] = -CUFLASH_INF;
             }
 }
 

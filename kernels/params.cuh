@@ -47,8 +47,22 @@ struct AttnParams {
     }
 };
 
+// The backward adds its inputs and outputs, all contiguous over the broadcast
+// batch: (batch, nq, dv) for out and dout, (batch, nq) for lse and delta,
+// (batch, n, d or dv) for the gradients (summed over broadcast dims afterwards).
+struct BwdParams : AttnParams {
+    const void* dout;
+    float* delta;             // rowsum(dout * out), float32
+    void* dq;
+    void* dk;
+    void* dv_grad;
+    index_t num_n_blocks;     // key blocks per batch entry
+    index_t batch_size;       // entries of the broadcast batch
+};
+
 #ifdef CUFLASH_PARAMS_BYTES
 static_assert(sizeof(AttnParams) == CUFLASH_PARAMS_BYTES, "AttnParams differs from cuflash/_params.py");
+static_assert(sizeof(BwdParams) == CUFLASH_BWD_PARAMS_BYTES, "BwdParams differs from cuflash/_params.py");
 #endif
 
 }  // namespace cuflash

@@ -29,4 +29,29 @@ struct FwdConfig {
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0 && DV_BLOCK % 16 == 0, "MMA steps are 16 wide");
 };
 
+// Backward: a block holds RESIDENT = 16 * WARPS rows (keys for dK/dV, queries
+// for dQ; each warp owns 16) and streams the other side in blocks of STEP rows.
+// Gradient columns [col0, col0 + DCOL) are computed per block (blockIdx.y).
+template <class T, int HEAD_DIM_, int DCOL_, int STEP_, int WARPS_>
+struct BwdConfig {
+    using Storage = typename T::storage;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int DCOL = DCOL_;
+    static constexpr int STEP = STEP_;
+    static constexpr int WARPS = WARPS_;
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int RESIDENT = 16 * WARPS;
+    static constexpr int STAGES = 2;
+    static constexpr int S_TILES = STEP / 8;       // 8-wide score tiles per warp
+    static constexpr int D_TILES = DCOL / 8;       // 8-column gradient tiles per warp
+
+    using ResidentTile = SmemTile<Storage, RESIDENT, HEAD_DIM>;
+    using StepTile = SmemTile<Storage, STEP, HEAD_DIM>;
+    // [2 resident tiles][2 step tiles x STAGES][2 float rows of STEP x STAGES]
+    static constexpr int ROW_STATS_BYTES = 2 * STAGES * STEP * 4;
+    static constexpr int SMEM_BYTES = 2 * ResidentTile::BYTES + 2 * STAGES * StepTile::BYTES + ROW_STATS_BYTES;
+
+    static_assert(STEP % 16 == 0 && HEAD_DIM % 16 == 0 && DCOL % 16 == 0, "MMA steps are 16 wide");
+};
+
 }  // namespace cuflash

@@ -1,0 +1,356 @@
+// attn_bwd.cuh: the backward pass, recomputing each score block from q, k and lse.
+//
+//   delta_i = rowsum(dout_i * out_i)                         (attn_bwd_delta)
+//   p = exp(scale * q k^T - lse),  dp = dout v^T,  ds = p (dp - delta)
+//   dv = p^T dout,  dk = scale * ds^T q                      (attn_bwd_dkdv: keys resident)
+//   dq = scale * ds k                                        (attn_bwd_dq: queries resident)
+// dq has its own pass so that every gradient element is written by exactly
+// one block: no atomics, bitwise-repeatable results.
+#pragma once
+
+namespace cuflash {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// lse in the log2 domain for p = exp2(scaled score - lse2); a row that sees no
+// key (lse = -inf) or lies past nq gets +inf, so its p is 0.
+__device__ __forceinline__ float lse_log2(const float* lse, int row, int nq) {
+    const float l = row < nq ? lse[row] : -CUFLASH_INF;
+    return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E;
+}
+
+template <class T>
+__global__ void __launch_bounds__(128) attn_bwd_delta(const BwdParams p) {
+    using Storage = typename T::storage;
+    const index_t row = index_t(blockIdx.x) * 4 + threadIdx.x / 32;
+    if (row >= p.batch_size * p.nq) return;
+    const Storage* dout = static_cast<const Storage*>(p.dout) + row * p.dv;
+    const Storage* out = static_cast<const Storage*>(p.out) + row * p.dv;
+    float sum = 0.f;
+    for (int c = threadIdx.x % 32; c < p.dv; c += 32) sum += Load<T>::one(dout + c) * Load<T>::one(out + c);
+    sum = warp_sum(sum);
+    if (threadIdx.x % 32 == 0) p.delta[row] = sum;
+}
+
+// Writes a warp's 16 x DCOL gradient fragment times `scale` to rows [row0, row0 + 16)
+// of a contiguous (rows, width) array, skipping rows >= rows and columns >= width.
+template <class T, int D_TILES>
+__device__ __forceinline__ void store_rows(typename T::storage* g, const float (&acc)[1][D_TILES][4], float scale,
+                                           int row0, int rows, int col0, int width) {
+    const int g_ = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + g_ + 8 * h;
+        if (row >= rows) continue;
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt) {
+            const int col = col0 + dt * 8 + 2 * t;
+            if (col < width)
+                Store<T>::pair(g + index_t(row) * width + col, acc[0][dt][2 * h] * scale, acc[0][dt][2 * h + 1] * scale);
+        }
+    }
+}
+
+// dk and dv for RESIDENT keys of one batch entry, over the query blocks that see them.
+// Each warp owns 16 keys and works on transposed score tiles (rows = keys).
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_dkdv(const BwdParams p) {
+    using Cfg = BwdConfig<T, HEAD_DIM, DCOL, STEP, WARPS>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    using Res = Operands<T, RTile>;
+    using Stp = Operands<T, STile>;
+    constexpr int S_TILES = Cfg::S_TILES, D_TILES = Cfg::D_TILES, STEP_BYTES = STile::BYTES;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 num_n_blocks = u32(p.num_n_blocks);
+    const u32 batch = blockIdx.x / num_n_blocks;
+    const int n0 = int(blockIdx.x % num_n_blocks) * Cfg::RESIDENT;
+    const int col0 = blockIdx.y * DCOL;
+    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int warp_row0 = (threadIdx.x / 32) * 16;
+    const int t = threadIdx.x % 4;
+
+    index_t q_off, k_off, v_off;
+    p.batch_offsets(batch, q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;
+    const Storage* g_do = static_cast<const Storage*>(p.dout) + index_t(batch) * p.nq * p.dv;
+    const float* g_lse = p.lse + index_t(batch) * p.nq;
+    const float* g_delta = p.delta + index_t(batch) * p.nq;
+
+    // [K][V][Q stage 0, 1][dO stage 0, 1][lse2 stage 0, 1][delta stage 0, 1]
+    const u32 s_k = smem_address(smem);
+    const u32 s_v = s_k + RTile::BYTES;
+    const u32 s_q = s_v + RTile::BYTES;
+    const u32 s_do = s_q + Cfg::STAGES * STEP_BYTES;
+    float* s_lse2 = reinterpret_cast<float*>(smem + 2 * RTile::BYTES + 2 * Cfg::STAGES * STEP_BYTES);
+    float* s_delta = s_lse2 + Cfg::STAGES * STEP;
+
+    const Band band(p);
+    const int n_end = min(n0 + Cfg::RESIDENT, nk);
+    int m_lo, m_hi;
+    band.row_range(n0, n_end, nq, m_lo, m_hi);
+    const int mb_begin = m_lo / STEP;
+    const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
+
+    auto load_step = [&](int mb, int stage) {
+        const int m0 = mb * STEP;
+        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
+                                             p.q_row_stride, nq - m0, d);
+        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
+        for (int i = threadIdx.x; i < STEP; i += Cfg::THREADS) {
+            s_lse2[stage * STEP + i] = lse_log2(g_lse, m0 + i, nq);
+            s_delta[stage * STEP + i] = m0 + i < nq ? g_delta[m0 + i] : 0.f;
+        }
+    };
+
+    float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
+    fill_zero(acc_dk);
+    fill_zero(acc_dv);
+    const float scale_log2 = float(p.scale_log2);
+
+    if (mb_begin < mb_end) {
+        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(n0) * p.k_row_stride;
+        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
+        load_tile_async<RTile, Cfg::THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
+        load_tile_async<RTile, Cfg::THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
+        load_step(mb_begin, 0);
+        cp_async_commit();
+    }
+    for (int mb = mb_begin; mb < mb_end; ++mb) {
+        const int stage = (mb - mb_begin) & 1;
+        if (mb + 1 < mb_end) load_step(mb + 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
+        const float* lse2 = s_lse2 + stage * STEP;
+        const float* delta = s_delta + stage * STEP;
+        const int m0 = mb * STEP;
+
+        // s^T = k q^T (rows: this warp's keys; columns: the step's queries)
+        float st[1][S_TILES][4];
+        fill_zero(st);
+#pragma unroll T::K_UNROLL
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            FragA<T> a;
+            Res::load_a(a, s_k, warp_row0, k0);
+#pragma unroll
+            for (int n = 0; n < S_TILES / 2; ++n) {
+                FragB<T> b[2];
+                Stp::load_b_rows(b, q_st, n * 16, k0);
+                mma(st[0][2 * n], a, b[0]);
+                mma(st[0][2 * n + 1], a, b[1]);
+            }
+        }
+        scale_by(st, scale_log2);
+        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) apply_band<true>(st, band, n0 + warp_row0, m0);
+
+        // p^T = exp2(s^T - lse2 of each query column)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[0][nt][e] = exp2f(st[0][nt][e] - lse2[nt * 8 + 2 * t + (e & 1)]);
+
+        // dv += p^T dout
+#pragma unroll
+        for (int j = 0; j < S_TILES / 2; ++j) {
+            FragA<T> pa;
+            scores_to_a(pa, st[0][2 * j], st[0][2 * j + 1]);
+#pragma unroll
+            for (int n = 0; n < D_TILES / 2; ++n) {
+                FragB<T> b[2];
+                Stp::load_b_cols(b, do_st, j * 16, col0 + n * 16);
+                mma(acc_dv[0][2 * n], pa, b[0]);
+                mma(acc_dv[0][2 * n + 1], pa, b[1]);
+            }
+        }
+
+        // dp^T = v dout^T
+        float dpt[1][S_TILES][4];
+        fill_zero(dpt);
+#pragma unroll T::K_UNROLL
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            FragA<T> a;
+            Res::load_a(a, s_v, warp_row0, k0);
+#pragma unroll
+            for (int n = 0; n < S_TILES / 2; ++n) {
+                FragB<T> b[2];
+                Stp::load_b_rows(b, do_st, n * 16, k0);
+                mma(dpt[0][2 * n], a, b[0]);
+                mma(dpt[0][2 * n + 1], a, b[1]);
+            }
+        }
+
+        // ds^T = p^T (dp^T - delta of each query column)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+
+        // dk += ds^T q (scaled at the end)
+#pragma unroll
+        for (int j = 0; j < S_TILES / 2; ++j) {
+            FragA<T> da;
+            scores_to_a(da, dpt[0][2 * j], dpt[0][2 * j + 1]);
+#pragma unroll
+            for (int n = 0; n < D_TILES / 2; ++n) {
+                FragB<T> b[2];
+                Stp::load_b_cols(b, q_st, j * 16, col0 + n * 16);
+                mma(acc_dk[0][2 * n], da, b[0]);
+                mma(acc_dk[0][2 * n + 1], da, b[1]);
+            }
+        }
+        __syncthreads();
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    Storage* g_dk = static_cast<Storage*>(p.dk) + (index_t(batch) * p.nk + n0) * p.d;
+    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + (index_t(batch) * p.nk + n0) * p.dv;
+    store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, col0, d);
+    store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, col0, dv);
+}
+
+// dq for RESIDENT query rows of one batch entry, over the key blocks they see.
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_dq(const BwdParams p) {
+    using Cfg = BwdConfig<T, HEAD_DIM, DCOL, STEP, WARPS>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    using Res = Operands<T, RTile>;
+    using Stp = Operands<T, STile>;
+    constexpr int S_TILES = Cfg::S_TILES, D_TILES = Cfg::D_TILES, STEP_BYTES = STile::BYTES;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 num_m_blocks = u32(p.num_m_blocks);
+    const u32 batch = blockIdx.x / num_m_blocks;
+    const int m0 = int(blockIdx.x % num_m_blocks) * Cfg::RESIDENT;
+    const int col0 = blockIdx.y * DCOL;
+    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int warp_row0 = (threadIdx.x / 32) * 16;
+    const int g = (threadIdx.x % 32) / 4;
+
+    index_t q_off, k_off, v_off;
+    p.batch_offsets(batch, q_off, k_off, v_off);
+    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off;
+    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off;
+
+    // [Q][dO][K stage 0, 1][V stage 0, 1]
+    const u32 s_q = smem_address(smem);
+    const u32 s_do = s_q + RTile::BYTES;
+    const u32 s_k = s_do + RTile::BYTES;
+    const u32 s_v = s_k + Cfg::STAGES * STEP_BYTES;
+
+    // lse2 and delta of the two rows each thread owns
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = m0 + warp_row0 + g + 8 * h;
+        lse2[h] = lse_log2(p.lse + index_t(batch) * p.nq, row, nq);
+        delta[h] = row < nq ? p.delta[index_t(batch) * p.nq + row] : 0.f;
+    }
+
+    const Band band(p);
+    const int m_end = min(m0 + Cfg::RESIDENT, nq);
+    int n_lo, n_hi;
+    band.key_range(m0, m_end, n_lo, n_hi);
+    const int nb_begin = n_lo / STEP;
+    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, STEP) : nb_begin;
+
+    auto load_step = [&](int nb, int stage) {
+        const int n0 = nb * STEP;
+        load_tile_async<STile, Cfg::THREADS>(s_k + stage * STEP_BYTES, g_k + index_t(n0) * p.k_row_stride,
+                                             p.k_row_stride, nk - n0, d);
+        load_tile_async<STile, Cfg::THREADS>(s_v + stage * STEP_BYTES, g_v + index_t(n0) * p.v_row_stride,
+                                             p.v_row_stride, nk - n0, dv);
+    };
+
+    float acc_dq[1][D_TILES][4];
+    fill_zero(acc_dq);
+    const float scale_log2 = float(p.scale_log2);
+
+    if (nb_begin < nb_end) {
+        const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(m0) * p.q_row_stride;
+        const Storage* g_do = static_cast<const Storage*>(p.dout) + (index_t(batch) * p.nq + m0) * p.dv;
+        load_tile_async<RTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
+        load_tile_async<RTile, Cfg::THREADS>(s_do, g_do, p.dv, nq - m0, dv);
+        load_step(nb_begin, 0);
+        cp_async_commit();
+    }
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+        const int stage = (nb - nb_begin) & 1;
+        if (nb + 1 < nb_end) load_step(nb + 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const u32 k_st = s_k + stage * STEP_BYTES, v_st = s_v + stage * STEP_BYTES;
+        const int n0 = nb * STEP;
+
+        // s = q k^T, then p = exp2(s - lse2)
+        float s[1][S_TILES][4];
+        fill_zero(s);
+#pragma unroll T::K_UNROLL
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            FragA<T> a;
+            Res::load_a(a, s_q, warp_row0, k0);
+#pragma unroll
+            for (int n = 0; n < S_TILES / 2; ++n) {
+                FragB<T> b[2];
+                Stp::load_b_rows(b, k_st, n * 16, k0);
+                mma(s[0][2 * n], a, b[0]);
+                mma(s[0][2 * n + 1], a, b[1]);
+            }
+        }
+        scale_by(s, scale_log2);
+        if (band.cuts(m0, m_end, n0, n0 + STEP)) apply_band(s, band, m0 + warp_row0, n0);
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][nt][e] = exp2f(s[0][nt][e] - lse2[e >> 1]);
+
+        // dp = dout v^T
+        float dp[1][S_TILES][4];
+        fill_zero(dp);
+#pragma unroll T::K_UNROLL
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            FragA<T> a;
+            Res::load_a(a, s_do, warp_row0, k0);
+#pragma unroll
+            for (int n = 0; n < S_TILES / 2; ++n) {
+                FragB<T> b[2];
+                Stp::load_b_rows(b, v_st, n * 16, k0);
+                mma(dp[0][2 * n], a, b[0]);
+                mma(dp[0][2 * n + 1], a, b[1]);
+            }
+        }
+
+        // ds = p (dp - delta); dq += ds k (scaled at the end)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
+#pragma unroll
+        for (int j = 0; j < S_TILES / 2; ++j) {
+            FragA<T> da;
+            scores_to_a(da, dp[0][2 * j], dp[0][2 * j + 1]);
+#pragma unroll
+            for (int n = 0; n < D_TILES / 2; ++n) {
+                FragB<T> b[2];
+                Stp::load_b_cols(b, k_st, j * 16, col0 + n * 16);
+                mma(acc_dq[0][2 * n], da, b[0]);
+                mma(acc_dq[0][2 * n + 1], da, b[1]);
+            }
+        }
+        __syncthreads();
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    Storage* g_dq = static_cast<Storage*>(p.dq) + (index_t(batch) * p.nq + m0) * p.d;
+    store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, col0, d);
+}
+
+}  // namespace cuflash
