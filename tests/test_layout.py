@@ -20,9 +20,14 @@ def test_kernel_source_has_every_file():
 
 def test_specializations_cover_every_dtype_and_bucket():
     names = _dispatch.all_specializations()
-    assert len(names) == len(set(names)) == len(_dispatch.ELEMENT_TYPES) * len(_dispatch.HEAD_DIM_BUCKETS)
-    for tiles in (_dispatch.fwd_tiles(dt, hd) for dt in _dispatch.ELEMENT_TYPES for hd in _dispatch.HEAD_DIM_BUCKETS):
-        assert tiles.smem_bytes(4) <= 227 * 1024
+    n_types, n_dims = len(_dispatch.ELEMENT_TYPES), len(_dispatch.HEAD_DIM_BUCKETS)
+    # per (dtype, head dim): forward, dk/dv, dq; per dtype: delta
+    assert len(names) == len(set(names)) == n_types * (3 * n_dims + 1)
+    for dt in _dispatch.ELEMENT_TYPES:
+        for hd in _dispatch.HEAD_DIM_BUCKETS:
+            item = _dispatch.ELEMENT_TYPES[dt][1]
+            assert _dispatch.fwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
+            assert _dispatch.bwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
 
 
 def test_head_dim_bucket():
