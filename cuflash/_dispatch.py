@@ -60,7 +60,7 @@ def fwd_tiles(dtype_name: str, head_dim: int) -> FwdTiles:
         block_n = {32: 64, 64: 64, 96: 32}.get(head_dim, 16)
         dv_block = 64 if head_dim == 256 else head_dim
         return FwdTiles(head_dim, dv_block, block_m=64, block_n=block_n, warps=4)
-    block_n = {32: 64, 64: 64, 96: 32, 128: 64, 192: 32}.get(head_dim, 16)
+    block_n = {32: 64, 64: 64, 96: 64, 128: 64, 192: 32}.get(head_dim, 16)
     return FwdTiles(head_dim, head_dim, block_m=64, block_n=block_n, warps=4)
 
 

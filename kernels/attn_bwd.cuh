@@ -19,6 +19,11 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int nq) {
     return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E;
 }
 
+// p from a raw score (-inf where masked), rounded once in the exponent.
+__device__ __forceinline__ float probability(float s, float scale_log2, float lse2) {
+    return s == -CUFLASH_INF ? 0.f : exp2f(fmaf(s, scale_log2, -lse2));
+}
+
 template <class T>
 __global__ void __launch_bounds__(128) attn_bwd_delta(const BwdParams p) {
     using Storage = typename T::storage;
@@ -145,14 +150,13 @@ attn_bwd_dkdv(const BwdParams p) {
                 mma(st[0][2 * n + 1], a, b[1]);
             }
         }
-        scale_by(st, scale_log2);
         if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) apply_band<true>(st, band, n0 + warp_row0, m0);
 
-        // p^T = exp2(s^T - lse2 of each query column)
+        // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) st[0][nt][e] = exp2f(st[0][nt][e] - lse2[nt * 8 + 2 * t + (e & 1)]);
+            for (int e = 0; e < 4; ++e) st[0][nt][e] = probability(st[0][nt][e], scale_log2, lse2[nt * 8 + 2 * t + (e & 1)]);
 
         // dv += p^T dout
 #pragma unroll
@@ -305,12 +309,11 @@ attn_bwd_dq(const BwdParams p) {
                 mma(s[0][2 * n + 1], a, b[1]);
             }
         }
-        scale_by(s, scale_log2);
         if (band.cuts(m0, m_end, n0, n0 + STEP)) apply_band(s, band, m0 + warp_row0, n0);
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][nt][e] = exp2f(s[0][nt][e] - lse2[e >> 1]);
+            for (int e = 0; e < 4; ++e) s[0][nt][e] = probability(s[0][nt][e], scale_log2, lse2[e >> 1]);
 
         // dp = dout v^T
         float dp[1][S_TILES][4];

@@ -104,13 +104,12 @@ attn_fwd(const AttnParams p) {
             }
         }
 
-        // scale into the log2 domain, then hide what the band excludes
-        scale_by(s, scale_log2);
+        // hide what the band excludes
         const int n0 = nb * BLOCK_N;
         if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) apply_band(s, band, m0 + warp_row0, n0);
 
-        // p = exp2(s - m), with m, l and acc brought up to date
-        softmax.update(s, acc);
+        // p = exp2(s * scale_log2 - m), with m, l and acc brought up to date
+        softmax.update(s, acc, scale_log2);
 
         // acc += p v
 #pragma unroll

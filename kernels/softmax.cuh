@@ -20,10 +20,13 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) { m[mt][h] = -CUFLASH_INF; l[mt][h] = 0.f; }
     }
 
-    // s: scaled, masked scores of one key block; replaced by p = exp2(s - m).
+    // s: raw scores q.k of one key block, -inf where masked; replaced by
+    // p = exp2(s * scale_log2 - m). The exponent is one fused multiply-add, so
+    // it is rounded once, near the row max, however large the logits.
     // acc: the output accumulator, rescaled to the new max.
     template <int N_TILES, int D_TILES>
-    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4]) {
+    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4],
+                                           float scale_log2) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -31,7 +34,9 @@ struct OnlineSoftmax {
                 float m_new = m[mt][h];
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt)
-                    m_new = fmaxf(m_new, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+#pragma unroll
+                    for (int e = 2 * h; e < 2 * h + 2; ++e)
+                        if (s[mt][nt][e] != -CUFLASH_INF) m_new = fmaxf(m_new, s[mt][nt][e] * scale_log2);
                 m_new = quad_max(m_new);
                 // A row that has seen no key yet keeps m = -inf; subtracting 0
                 // then gives p = 0 instead of exp2(-inf + inf) = NaN.
@@ -43,7 +48,8 @@ struct OnlineSoftmax {
                 for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        s[mt][nt][e] = exp2f(s[mt][nt][e] - base);
+                        const float x = s[mt][nt][e];
+                        s[mt][nt][e] = x == -CUFLASH_INF ? 0.f : exp2f(fmaf(x, scale_log2, -base));
                         sum += s[mt][nt][e];
                     }
                 l[mt][h] = l[mt][h] * alpha + sum;
