@@ -98,16 +98,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         dv = cupy.empty(shape + (x.nk, x.dv), dtype=x.q.dtype)
         if x.batch_size:
             _dispatch.launch_backward(x, out, lse, dout, delta, dq, dk, dv)
-        return tuple(_sum_to_shape(cupy, g, orig.shape) for g, orig in ((dq, q), (dk, k), (dv, v)))
+        # gradients of broadcast inputs: summed over the broadcast dims, in float32
+        return tuple(
+            g if g.shape == orig.shape else _checks.sum_to_shape(g.astype(cupy.float32), orig.shape).astype(g.dtype)
+            for g, orig in ((dq, q), (dk, k), (dv, v))
+        )
 
-
-def _sum_to_shape(cupy, g, shape):
-    """Sums a gradient over the batch dims its input was broadcast along (in float32)."""
-    if g.shape == tuple(shape):
-        return g
-    extra = g.ndim - len(shape)
-    axes = tuple(range(extra)) + tuple(
-        extra + i for i, n in enumerate(shape[:-2]) if n == 1 and g.shape[extra + i] != 1
-    )
-    total = g.astype(cupy.float32).sum(axis=axes, keepdims=True)
-    return total.reshape(shape).astype(g.dtype)

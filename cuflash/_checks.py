@@ -45,6 +45,21 @@ def check_shapes(q_shape, k_shape, v_shape) -> tuple[int, ...]:
         ) from err
 
 
+def sum_to_shape(x, shape):
+    """Sums ``x`` over the dims that broadcasting added or stretched, giving ``shape``.
+
+    The adjoint of broadcasting an array of ``shape`` to ``x.shape``; works on
+    NumPy and CuPy arrays alike.
+    """
+    extra = x.ndim - len(shape)
+    if extra:
+        x = x.sum(axis=tuple(range(extra)))
+    stretched = tuple(ax for ax, n in enumerate(shape) if n == 1 and x.shape[ax] != 1)
+    if stretched:
+        x = x.sum(axis=stretched, keepdims=True)
+    return x.reshape(shape)
+
+
 def check_scale(scale, d: int) -> float:
     """The softmax scale: ``1/sqrt(d)`` by default, else a finite real number."""
     if scale is None:
@@ -119,7 +134,7 @@ def check_arrays(cupy, **arrays) -> str:
             raise TypeError(f"{name} has dtype {dt}; cuflash supports {', '.join(SUPPORTED_DTYPES)}")
         if dt != first:
             raise TypeError(
-                f"q, k and v must share one dtype, got "
+                "q, k and v must share one dtype, got "
                 + ", ".join(f"{n}.dtype={d}" for n, d in dtypes.items())
             )
     devices = {name: x.device.id for name, x in arrays.items()}

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from . import _compile, _params
 
 # Head dims are padded (without copies: the loads zero-fill) to the next bucket.

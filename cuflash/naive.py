@@ -15,14 +15,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     """Same arguments as ``cuflash.attention``; stores the (Nq, Nk) scores in device memory."""
     import cupy
 
-    left, right = normalize_window(causal, window)
-    nq, d = q.shape[-2:]
-    nk = k.shape[-2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(d) if d else 1.0
-    s = _matmul(q, cupy.swapaxes(k, -1, -2)).astype(cupy.float32) * cupy.float32(scale)
-    if left is not None or right is not None:
-        s = cupy.where(cupy.asarray(allowed(nq, nk, left, right)), s, cupy.float32(-cupy.inf))
+    s = _scores(q, k, causal, window, scale)
     m = s.max(axis=-1, keepdims=True)
     m = cupy.where(cupy.isfinite(m), m, cupy.float32(0))
     p = cupy.exp(s - m)
@@ -33,6 +26,25 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         lse = cupy.where(total[..., 0] > 0, cupy.log(total[..., 0]) + m[..., 0], cupy.float32(-cupy.inf))
         return out, lse
     return out
+
+
+def _scale(q, scale):
+    d = q.shape[-1]
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    return scale
+
+
+def _scores(q, k, causal, window, scale):
+    """scale * q k^T in float32 (the product in the inputs' dtype), -inf where masked."""
+    import cupy
+
+    left, right = normalize_window(causal, window)
+    nq, nk = q.shape[-2], k.shape[-2]
+    s = _matmul(q, cupy.swapaxes(k, -1, -2)).astype(cupy.float32) * cupy.float32(_scale(q, scale))
+    if left is not None or right is not None:
+        s = cupy.where(cupy.asarray(allowed(nq, nk, left, right)), s, cupy.float32(-cupy.inf))
+    return s
 
 
 def _matmul(a, b):
@@ -52,14 +64,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     Assumes q, k, v share their batch shape (no broadcasting)."""
     import cupy
 
-    left, right = normalize_window(causal, window)
-    nq, d = q.shape[-2:]
-    nk = k.shape[-2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(d) if d else 1.0
-    s = _matmul(q, cupy.swapaxes(k, -1, -2)).astype(cupy.float32) * cupy.float32(scale)
-    if left is not None or right is not None:
-        s = cupy.where(cupy.asarray(allowed(nq, nk, left, right)), s, cupy.float32(-cupy.inf))
+    scale = _scale(q, scale)
+    s = _scores(q, k, causal, window, scale)
     lse_ = cupy.where(cupy.isfinite(lse), lse, cupy.float32(cupy.inf))[..., None]
     p = cupy.exp(s - lse_)
     p_t = p.astype(q.dtype)

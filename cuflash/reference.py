@@ -20,7 +20,7 @@ import numbers
 
 import numpy as np
 
-from ._checks import check_scale, check_shapes
+from ._checks import check_scale, check_shapes, sum_to_shape
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
 
 __all__ = ["attention", "attention_backward", "tiled_attention"]
@@ -60,20 +60,6 @@ def _check_inputs(q, k, v, scale):
     v = _as_float64("v", v)
     batch = check_shapes(q.shape, k.shape, v.shape)
     return q, k, v, batch, check_scale(scale, q.shape[-1])
-
-
-def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum ``x`` over the dims that broadcasting added or stretched, giving ``shape``.
-
-    The adjoint of ``np.broadcast_to(a, x.shape)`` for ``a`` of shape ``shape``.
-    """
-    extra = x.ndim - len(shape)
-    if extra:
-        x = x.sum(axis=tuple(range(extra)))
-    stretched = tuple(ax for ax, n in enumerate(shape) if n == 1 and x.shape[ax] != 1)
-    if stretched:
-        x = x.sum(axis=stretched, keepdims=True)
-    return x.reshape(shape)
 
 
 def _scores(q, k, batch, scale, left, right):
@@ -327,7 +313,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     """
     left, right = normalize_window(causal, window)
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
-    nq, nk, dv_dim = q.shape[-2], k.shape[-2], v.shape[-1]
+    nq, dv_dim = q.shape[-2], v.shape[-1]
     dout = _as_float64("dout", dout)
     out = _as_float64("out", out)
     lse = _as_float64("lse", lse)
@@ -353,7 +339,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dk = scale * (np.swapaxes(ds, -1, -2) @ q)
 
     return (
-        _sum_to_shape(dq, q.shape),
-        _sum_to_shape(dk, k.shape),
-        _sum_to_shape(dv, v.shape),
+        sum_to_shape(dq, q.shape),
+        sum_to_shape(dk, k.shape),
+        sum_to_shape(dv, v.shape),
     )

@@ -65,8 +65,6 @@ attn_bwd_dkdv(const BwdParams p) {
     using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
-    using Res = Operands<T, RTile>;
-    using Stp = Operands<T, STile>;
     constexpr int S_TILES = Cfg::S_TILES, D_TILES = Cfg::D_TILES, STEP_BYTES = STile::BYTES;
 
     extern __shared__ __align__(128) unsigned char smem[];
@@ -138,18 +136,7 @@ attn_bwd_dkdv(const BwdParams p) {
         // s^T = k q^T (rows: this warp's keys; columns: the step's queries)
         float st[1][S_TILES][4];
         fill_zero(st);
-#pragma unroll T::K_UNROLL
-        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
-            FragA<T> a;
-            Res::load_a(a, s_k, warp_row0, k0);
-#pragma unroll
-            for (int n = 0; n < S_TILES / 2; ++n) {
-                FragB<T> b[2];
-                Stp::load_b_rows(b, q_st, n * 16, k0);
-                mma(st[0][2 * n], a, b[0]);
-                mma(st[0][2 * n + 1], a, b[1]);
-            }
-        }
+        mma_rows_rows<T, RTile, STile, HEAD_DIM>(st, s_k, warp_row0, q_st);
         if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) apply_band<true>(st, band, n0 + warp_row0, m0);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
@@ -159,34 +146,12 @@ attn_bwd_dkdv(const BwdParams p) {
             for (int e = 0; e < 4; ++e) st[0][nt][e] = probability(st[0][nt][e], scale_log2, lse2[nt * 8 + 2 * t + (e & 1)]);
 
         // dv += p^T dout
-#pragma unroll
-        for (int j = 0; j < S_TILES / 2; ++j) {
-            FragA<T> pa;
-            scores_to_a(pa, st[0][2 * j], st[0][2 * j + 1]);
-#pragma unroll
-            for (int n = 0; n < D_TILES / 2; ++n) {
-                FragB<T> b[2];
-                Stp::load_b_cols(b, do_st, j * 16, col0 + n * 16);
-                mma(acc_dv[0][2 * n], pa, b[0]);
-                mma(acc_dv[0][2 * n + 1], pa, b[1]);
-            }
-        }
+        mma_regs_cols<T, STile>(acc_dv, st, do_st, col0);
 
         // dp^T = v dout^T
         float dpt[1][S_TILES][4];
         fill_zero(dpt);
-#pragma unroll T::K_UNROLL
-        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
-            FragA<T> a;
-            Res::load_a(a, s_v, warp_row0, k0);
-#pragma unroll
-            for (int n = 0; n < S_TILES / 2; ++n) {
-                FragB<T> b[2];
-                Stp::load_b_rows(b, do_st, n * 16, k0);
-                mma(dpt[0][2 * n], a, b[0]);
-                mma(dpt[0][2 * n + 1], a, b[1]);
-            }
-        }
+        mma_rows_rows<T, RTile, STile, HEAD_DIM>(dpt, s_v, warp_row0, do_st);
 
         // ds^T = p^T (dp^T - delta of each query column)
 #pragma unroll
@@ -195,18 +160,7 @@ attn_bwd_dkdv(const BwdParams p) {
             for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
 
         // dk += ds^T q (scaled at the end)
-#pragma unroll
-        for (int j = 0; j < S_TILES / 2; ++j) {
-            FragA<T> da;
-            scores_to_a(da, dpt[0][2 * j], dpt[0][2 * j + 1]);
-#pragma unroll
-            for (int n = 0; n < D_TILES / 2; ++n) {
-                FragB<T> b[2];
-                Stp::load_b_cols(b, q_st, j * 16, col0 + n * 16);
-                mma(acc_dk[0][2 * n], da, b[0]);
-                mma(acc_dk[0][2 * n + 1], da, b[1]);
-            }
-        }
+        mma_regs_cols<T, STile>(acc_dk, dpt, q_st, col0);
         __syncthreads();
     }
 
@@ -225,8 +179,6 @@ attn_bwd_dq(const BwdParams p) {
     using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
-    using Res = Operands<T, RTile>;
-    using Stp = Operands<T, STile>;
     constexpr int S_TILES = Cfg::S_TILES, D_TILES = Cfg::D_TILES, STEP_BYTES = STile::BYTES;
 
     extern __shared__ __align__(128) unsigned char smem[];
@@ -294,21 +246,10 @@ attn_bwd_dq(const BwdParams p) {
         const u32 k_st = s_k + stage * STEP_BYTES, v_st = s_v + stage * STEP_BYTES;
         const int n0 = nb * STEP;
 
-        // s = q k^T, then p = exp2(s - lse2)
+        // s = q k^T, then p = exp2(s * scale_log2 - lse2)
         float s[1][S_TILES][4];
         fill_zero(s);
-#pragma unroll T::K_UNROLL
-        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
-            FragA<T> a;
-            Res::load_a(a, s_q, warp_row0, k0);
-#pragma unroll
-            for (int n = 0; n < S_TILES / 2; ++n) {
-                FragB<T> b[2];
-                Stp::load_b_rows(b, k_st, n * 16, k0);
-                mma(s[0][2 * n], a, b[0]);
-                mma(s[0][2 * n + 1], a, b[1]);
-            }
-        }
+        mma_rows_rows<T, RTile, STile, HEAD_DIM>(s, s_q, warp_row0, k_st);
         if (band.cuts(m0, m_end, n0, n0 + STEP)) apply_band(s, band, m0 + warp_row0, n0);
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt)
@@ -318,36 +259,14 @@ attn_bwd_dq(const BwdParams p) {
         // dp = dout v^T
         float dp[1][S_TILES][4];
         fill_zero(dp);
-#pragma unroll T::K_UNROLL
-        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
-            FragA<T> a;
-            Res::load_a(a, s_do, warp_row0, k0);
-#pragma unroll
-            for (int n = 0; n < S_TILES / 2; ++n) {
-                FragB<T> b[2];
-                Stp::load_b_rows(b, v_st, n * 16, k0);
-                mma(dp[0][2 * n], a, b[0]);
-                mma(dp[0][2 * n + 1], a, b[1]);
-            }
-        }
+        mma_rows_rows<T, RTile, STile, HEAD_DIM>(dp, s_do, warp_row0, v_st);
 
         // ds = p (dp - delta); dq += ds k (scaled at the end)
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
-#pragma unroll
-        for (int j = 0; j < S_TILES / 2; ++j) {
-            FragA<T> da;
-            scores_to_a(da, dp[0][2 * j], dp[0][2 * j + 1]);
-#pragma unroll
-            for (int n = 0; n < D_TILES / 2; ++n) {
-                FragB<T> b[2];
-                Stp::load_b_cols(b, k_st, j * 16, col0 + n * 16);
-                mma(acc_dq[0][2 * n], da, b[0]);
-                mma(acc_dq[0][2 * n + 1], da, b[1]);
-            }
-        }
+        mma_regs_cols<T, STile>(acc_dq, dp, k_st, col0);
         __syncthreads();
     }
 

@@ -24,9 +24,6 @@ attn_fwd(const AttnParams p) {
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
-    using Q = Operands<T, QTile>;
-    using K = Operands<T, KTile>;
-    using V = Operands<T, VTile>;
     constexpr int M_TILES = Cfg::M_TILES, N_TILES = Cfg::N_TILES, D_TILES = Cfg::D_TILES;
 
     extern __shared__ __align__(128) unsigned char smem[];
@@ -87,22 +84,7 @@ attn_fwd(const AttnParams p) {
         // s = q k^T for this warp's rows and the block's keys
         float s[M_TILES][N_TILES][4];
         fill_zero(s);
-#pragma unroll
-        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
-            FragA<T> a[M_TILES];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) Q::load_a(a[mt], s_q, warp_row0 + mt * 16, k0);
-#pragma unroll
-            for (int n = 0; n < N_TILES / 2; ++n) {
-                FragB<T> b[2];
-                K::load_b_rows(b, s_k + stage * KTile::BYTES, n * 16, k0);
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    mma(s[mt][2 * n], a[mt], b[0]);
-                    mma(s[mt][2 * n + 1], a[mt], b[1]);
-                }
-            }
-        }
+        mma_rows_rows<T, QTile, KTile, HEAD_DIM>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
 
         // hide what the band excludes
         const int n0 = nb * BLOCK_N;
@@ -112,22 +94,7 @@ attn_fwd(const AttnParams p) {
         softmax.update(s, acc, scale_log2);
 
         // acc += p v
-#pragma unroll
-        for (int j = 0; j < N_TILES / 2; ++j) {
-            FragA<T> pa[M_TILES];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) scores_to_a(pa[mt], s[mt][2 * j], s[mt][2 * j + 1]);
-#pragma unroll
-            for (int n = 0; n < D_TILES / 2; ++n) {
-                FragB<T> b[2];
-                V::load_b_cols(b, s_v + stage * VTile::BYTES, j * 16, n * 16);
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    mma(acc[mt][2 * n], pa[mt], b[0]);
-                    mma(acc[mt][2 * n + 1], pa[mt], b[1]);
-                }
-            }
-        }
+        mma_regs_cols<T, VTile>(acc, s, s_v + stage * VTile::BYTES, 0);
         __syncthreads();         // the stage just read is the next one refilled
     }
 

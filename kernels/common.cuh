@@ -37,13 +37,14 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ float bf16_lo_to_float(u32 x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf16_hi_to_float(u32 x) { return __uint_as_float(x & 0xffff0000u); }
 
+// Two floats as one register of a 16-bit type, `lo` in the low half.
+template <class T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<f16>(float lo, float hi) { return pack_f16x2(lo, hi); }
+template <> __device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) { return pack_bf16x2(lo, hi); }
+
 // Stores two adjacent output elements (the address is aligned to the pair).
-template <class T> struct Store;
-template <> struct Store<f16> {
-    __device__ __forceinline__ static void pair(u16* p, float x, float y) { *reinterpret_cast<u32*>(p) = pack_f16x2(x, y); }
-};
-template <> struct Store<bf16> {
-    __device__ __forceinline__ static void pair(u16* p, float x, float y) { *reinterpret_cast<u32*>(p) = pack_bf16x2(x, y); }
+template <class T> struct Store {
+    __device__ __forceinline__ static void pair(u16* p, float x, float y) { *reinterpret_cast<u32*>(p) = pack2<T>(x, y); }
 };
 template <> struct Store<f32> {
     __device__ __forceinline__ static void pair(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }

@@ -144,23 +144,65 @@ template <class Tile> struct Operands<f32, Tile> {
 
 // The A fragment of P for keys 16j .. 16j+15 from the score accumulators of
 // n-tiles 2j and 2j+1 (C layout of two m16n8 tiles = A layout of one m16k16).
-__device__ __forceinline__ void scores_to_a(FragA<f16>& a, const float (&c0)[4], const float (&c1)[4]) {
-    a.r[0] = pack_f16x2(c0[0], c0[1]);
-    a.r[1] = pack_f16x2(c0[2], c0[3]);
-    a.r[2] = pack_f16x2(c1[0], c1[1]);
-    a.r[3] = pack_f16x2(c1[2], c1[3]);
-}
-__device__ __forceinline__ void scores_to_a(FragA<bf16>& a, const float (&c0)[4], const float (&c1)[4]) {
-    a.r[0] = pack_bf16x2(c0[0], c0[1]);
-    a.r[1] = pack_bf16x2(c0[2], c0[3]);
-    a.r[2] = pack_bf16x2(c1[0], c1[1]);
-    a.r[3] = pack_bf16x2(c1[2], c1[3]);
+template <class T>
+__device__ __forceinline__ void scores_to_a(FragA<T>& a, const float (&c0)[4], const float (&c1)[4]) {
+    a.r[0] = pack2<T>(c0[0], c0[1]);
+    a.r[1] = pack2<T>(c0[2], c0[3]);
+    a.r[2] = pack2<T>(c1[0], c1[1]);
+    a.r[3] = pack2<T>(c1[2], c1[3]);
 }
 __device__ __forceinline__ void scores_to_a(FragA<f32>& a, const float (&c0)[4], const float (&c1)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         a.r[e] = c0[e];
         a.r[4 + e] = c1[e];
+    }
+}
+
+// Warp-level tile products; every score and gradient product of the kernels is one of these.
+//
+// acc[mt][nt] += A[a_row0 + 16 mt + (0..16), 0..K) . B[8 nt + (0..8), 0..K)^T
+// with A and B both stored one row per output row/column (Q and K for Q K^T).
+template <class T, class ATile, class BTile, int K, int M_TILES, int N_TILES>
+__device__ __forceinline__ void mma_rows_rows(float (&acc)[M_TILES][N_TILES][4], u32 s_a, int a_row0, u32 s_b) {
+#pragma unroll T::K_UNROLL
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        FragA<T> a[M_TILES];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) Operands<T, ATile>::load_a(a[mt], s_a, a_row0 + mt * 16, k0);
+#pragma unroll
+        for (int n = 0; n < N_TILES / 2; ++n) {
+            FragB<T> b[2];
+            Operands<T, BTile>::load_b_rows(b, s_b, n * 16, k0);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma(acc[mt][2 * n], a[mt], b[0]);
+                mma(acc[mt][2 * n + 1], a[mt], b[1]);
+            }
+        }
+    }
+}
+
+// acc[mt][nt] += P[mt] . B[0 .. 8 K_TILES, col0 + 8 nt + (0..8))
+// with P in registers (C fragments of K_TILES 8-wide tiles) and B stored row-major (V for P V).
+template <class T, class BTile, int M_TILES, int K_TILES, int N_TILES>
+__device__ __forceinline__ void mma_regs_cols(float (&acc)[M_TILES][N_TILES][4], const float (&p)[M_TILES][K_TILES][4],
+                                              u32 s_b, int col0) {
+#pragma unroll
+    for (int j = 0; j < K_TILES / 2; ++j) {
+        FragA<T> a[M_TILES];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) scores_to_a(a[mt], p[mt][2 * j], p[mt][2 * j + 1]);
+#pragma unroll
+        for (int n = 0; n < N_TILES / 2; ++n) {
+            FragB<T> b[2];
+            Operands<T, BTile>::load_b_cols(b, s_b, j * 16, col0 + n * 16);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma(acc[mt][2 * n], a[mt], b[0]);
+                mma(acc[mt][2 * n + 1], a[mt], b[1]);
+            }
+        }
     }
 }
 

@@ -46,6 +46,13 @@ def poisoned_allocations():
         cupy.cuda.set_allocator(pool.malloc)
 
 
+def random_array(rng, shape, dtype, scale=1.0):
+    """Standard-normal CuPy array of `dtype`, times `scale` (drawn in float32, then cast)."""
+    import cupy
+
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(dtype)
+
+
 def eps(dtype) -> float:
     import ml_dtypes
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import GPU_MISSING, requires_gpu
 
 import cuflash
 from cuflash import _checks
-
-
-from conftest import GPU_MISSING, requires_gpu
 
 
 @requires_gpu

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import (
+    GPU_MISSING,
+    assert_close_to_reference,
+    poisoned_allocations,
+    random_array,
+    requires_gpu,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import GPU_MISSING, assert_close_to_reference, poisoned_allocations, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -17,13 +22,10 @@ if GPU_MISSING is None:
 
     import cuflash
     from cuflash import naive, reference
+    from cuflash._checks import sum_to_shape
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-
-
-def random_array(rng, shape, dtype, scale=1.0):
-    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(dtype)
 
 
 def check_backward(q, k, v, dout, **mask):
@@ -40,7 +42,7 @@ def check_backward(q, k, v, dout, **mask):
         kb, vb = (cupy.ascontiguousarray(cupy.broadcast_to(x, shape + x.shape[-2:])) for x in (k, v))
         ndq, ndk, ndv = naive.attention_backward(dout, q, kb, vb, out, lse, **mask)
         naive_grads = (ndq,) + tuple(
-            reference._sum_to_shape(cupy.asnumpy(g).astype(np.float64), x.shape) for g, x in ((ndk, k), (ndv, v))
+            sum_to_shape(cupy.asnumpy(g).astype(np.float64), x.shape) for g, x in ((ndk, k), (ndv, v))
         )
     for name, got, nv, ref, x in zip(("dq", "dk", "dv"), (dq, dk, dv), naive_grads, refs, (q, k, v)):
         assert got.shape == x.shape and got.dtype == x.dtype

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from conftest import (
     GPU_MISSING,
     assert_close_to_reference,
     assert_lse_close,
     poisoned_allocations,
+    random_array,
     requires_gpu,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = requires_gpu
 
@@ -26,11 +26,6 @@ if GPU_MISSING is None:
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-
-
-def random_array(rng, shape, dtype, scale=1.0):
-    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
-    return cupy.asarray(x).astype(dtype)
 
 
 def check_forward(q, k, v, **mask):
