@@ -6,7 +6,7 @@ Importing cuflash does not import CuPy.
 """
 
 from . import reference
-from ._api import attention, attention_backward
+from ._api import attention, attention_backward, attention_vjp
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "reference", "__version__"]

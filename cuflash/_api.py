@@ -104,3 +104,27 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             for g, orig in ((dq, q), (dk, k), (dv, v))
         )
 
+
+
+def attention_vjp(q, k, v, *, causal=False, window=None, scale=None):
+    """Forward pass plus a closure for its vector-Jacobian product.
+
+    For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
+    runs ``attention`` and keeps only what the backward needs (q, k, v, out
+    and the per-row logsumexp, O(N) extra); ``dq, dk, dv = vjp(dout)`` then
+    runs ``attention_backward``. The closure may be called more than once.
+
+    Returns
+    -------
+    out : cupy.ndarray
+        As from ``attention``.
+    vjp : callable
+        ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v.
+    """
+    mask = {"causal": causal, "window": window, "scale": scale}
+    out, lse = attention(q, k, v, return_lse=True, **mask)
+
+    def vjp(dout):
+        return attention_backward(dout, q, k, v, out, lse, **mask)
+
+    return out, vjp

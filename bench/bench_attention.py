@@ -1,0 +1,222 @@
+"""Attention benchmark: cuflash against torch SDPA's FlashAttention-2 and cuDNN backends and
+against naive CuPy attention, forward and backward, in one process on one GPU.
+
+    python bench/bench_attention.py --out DIR            # the full grid
+    python bench/bench_attention.py --out DIR --quick    # a smoke test
+
+Grid: dtype x head dim D x causal x N, with batch = 16384 / N and heads = 2048 / D, layout
+(B, H, N, D). FLOPs: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that, the
+backward timed alone (given out, lse / the autograd graph). Times are CUDA-event medians of
+--repeat runs after warm-up, cycling through two input sets so the L2 cache does not flatter.
+Prints a table of TFLOP/s and cuflash/rival ratios, writes results.json and, when matplotlib is
+there, one PNG chart per (dtype, D, causal, direction). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import cupy  # noqa: E402
+import ml_dtypes  # noqa: E402,F401
+
+import cuflash  # noqa: E402
+from cuflash import naive  # noqa: E402
+
+try:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    TORCH_BACKENDS = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}
+except ImportError:  # the benchmark still runs cuflash and naive
+    torch = None
+    TORCH_BACKENDS = {}
+
+NAIVE_MAX_SCORE_BYTES = 9 * 2**30  # naive attention stores B*H*N*N float32 scores several times over
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def median_ms(fn, inputs, repeat, warmup=3):
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    times = []
+    for i in range(repeat):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn(*inputs[i % len(inputs)])
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def make_inputs(b, h, n, d, dtype, sets=2):
+    rng = np.random.default_rng(n * d)
+    out = []
+    for _ in range(sets):
+        q, k, v, do = (
+            cupy.asarray(rng.standard_normal((b, h, n, d), dtype=np.float32)).astype(dtype) for _ in range(4)
+        )
+        out.append((q, k, v, do))
+    return out
+
+
+def time_cuflash(data, causal, direction, repeat):
+    if direction == "fwd":
+        return median_ms(lambda q, k, v, do: cuflash.attention(q, k, v, causal=causal), data, repeat)
+    saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True) for q, k, v, do in data]
+    return median_ms(
+        lambda q, k, v, do, out, lse: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal), saved, repeat
+    )
+
+
+def time_naive(data, causal, direction, repeat):
+    if direction == "fwd":
+        return median_ms(lambda q, k, v, do: naive.attention(q, k, v, causal=causal), data, repeat)
+    saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True) for q, k, v, do in data]
+    return median_ms(
+        lambda q, k, v, do, out, lse: naive.attention_backward(do, q, k, v, out, lse, causal=causal), saved, repeat
+    )
+
+
+def time_torch(backend, data, causal, direction, repeat):
+    tdata = [tuple(torch.from_dlpack(x) for x in item) for item in data]
+    with sdpa_kernel(backend):
+        if direction == "fwd":
+            return median_ms(lambda q, k, v, do: sdpa(q, k, v, is_causal=causal), tdata, repeat)
+        graphs = []
+        for q, k, v, do in tdata:
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            graphs.append((sdpa(q, k, v, is_causal=causal), q, k, v, do))
+        return median_ms(
+            lambda out, q, k, v, do: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), graphs, repeat
+        )
+
+
+def run_cell(dtype, d, causal, n, direction, providers, repeat):
+    b, h = 16384 // n, 2048 // d
+    flops = 4 * b * h * n * n * d / (2 if causal else 1) * (2.5 if direction == "bwd" else 1)
+    data = make_inputs(b, h, n, d, dtype)
+    row = {"dtype": dtype, "D": d, "causal": causal, "N": n, "B": b, "H": h, "direction": direction, "tflops": {}}
+    for name in providers:
+        try:
+            if name == "cuflash":
+                ms = time_cuflash(data, causal, direction, repeat)
+            elif name == "naive":
+                if b * h * n * n * 4 > NAIVE_MAX_SCORE_BYTES:
+                    continue
+                ms = time_naive(data, causal, direction, repeat)
+            else:
+                ms = time_torch(TORCH_BACKENDS[name], data, causal, direction, repeat)
+        except Exception as err:  # a rival without a kernel for this cell, or out of memory
+            log(f"  {name}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+            continue
+        finally:
+            cupy.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+        row["tflops"][name] = flops / ms / 1e9
+        log(f"  {name:12s} {ms:9.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
+    return row
+
+
+def print_table(rows, providers):
+    rivals = [p for p in providers if p != "cuflash"]
+    head = ["dtype", "D", "causal", "dir", "N"] + [f"{p}" for p in providers] + [f"x {r}" for r in rivals]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        t = r["tflops"]
+        cells = [r["dtype"], str(r["D"]), str(r["causal"]), r["direction"], str(r["N"])]
+        cells += [f"{t[p]:.0f}" if p in t else "" for p in providers]
+        cells += [f"{t['cuflash'] / t[p]:.2f}" if "cuflash" in t and p in t else "" for p in rivals]
+        print("| " + " | ".join(cells) + " |")
+
+
+def draw_charts(rows, providers, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not available: no charts")
+        return
+    panels = sorted({(r["dtype"], r["D"], r["causal"], r["direction"]) for r in rows})
+    for dtype, d, causal, direction in panels:
+        sel = [r for r in rows if (r["dtype"], r["D"], r["causal"], r["direction"]) == (dtype, d, causal, direction)]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for p in providers:
+            pts = [(r["N"], r["tflops"][p]) for r in sel if p in r["tflops"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{direction} {dtype} D={d} {'causal' if causal else 'non-causal'}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{direction}_{dtype}_d{d}_{'causal' if causal else 'full'}.png"), dpi=100)
+        plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for results.json and charts")
+    ap.add_argument("--quick", action="store_true", help="fp16, D=128, N in {1024, 4096}")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    ap.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    ap.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--causal", nargs="+", choices=["false", "true"], default=["false", "true"])
+    ap.add_argument("--directions", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    ap.add_argument("--providers", nargs="+", default=["cuflash", *TORCH_BACKENDS, "naive"])
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--no-charts", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096]
+    os.makedirs(args.out, exist_ok=True)
+
+    rows = []
+    for dtype in args.dtypes:
+        for d in args.head_dims:
+            for causal in (c == "true" for c in args.causal):
+                for n in args.seqlens:
+                    for direction in args.directions:
+                        log(f"{dtype} D={d} causal={causal} N={n} {direction}")
+                        rows.append(run_cell(dtype, d, causal, n, direction, args.providers, args.repeat))
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    meta = {
+        "device": props["name"].decode(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cupy": cupy.__version__,
+        "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "torch": torch.__version__ if torch is not None else None,
+        "cudnn": torch.backends.cudnn.version() if torch is not None else None,
+        "python": platform.python_version(),
+        "repeat": args.repeat,
+    }
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if not args.no_charts:
+        draw_charts(rows, args.providers, args.out)
+    print(f"{meta['device']}, {meta['date']}, torch {meta['torch']}, cuDNN {meta['cudnn']}, CuPy {meta['cupy']}")
+    print_table(rows, args.providers)
+
+
+if __name__ == "__main__":
+    main()
