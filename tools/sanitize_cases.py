@@ -1,4 +1,4 @@
-"""Small forward calls over a representative set of specializations, for compute-sanitizer.
+"""Small forward and backward calls over a representative set of specializations, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python tools/sanitize_cases.py
 """
@@ -16,6 +16,8 @@ for dtype in ("float16", "bfloat16", "float32"):
             q = cupy.asarray(rng.standard_normal((2, 67, d), dtype=np.float32)).astype(dtype)
             k = cupy.asarray(rng.standard_normal((2, 93, d), dtype=np.float32)).astype(dtype)
             v = cupy.asarray(rng.standard_normal((2, 93, d), dtype=np.float32)).astype(dtype)
-            out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
+            out, vjp = cuflash.attention_vjp(q, k, v, **mask)
+            grads = vjp(cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)).astype(dtype))
             cupy.cuda.Device().synchronize()
-            print(dtype, d, mask, "finite:", bool(cupy.isfinite(out.astype(np.float32)).all()))
+            finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (out,) + grads)
+            print(dtype, d, mask, "finite:", finite)
