@@ -58,8 +58,10 @@ def fwd_tiles(dtype_name: str, head_dim: int) -> FwdTiles:
         block_n = {32: 64, 64: 64, 96: 32}.get(head_dim, 16)
         dv_block = 64 if head_dim == 256 else head_dim
         return FwdTiles(head_dim, dv_block, block_m=64, block_n=block_n, warps=4)
-    block_n = {32: 64, 64: 64, 96: 64, 128: 64, 192: 32}.get(head_dim, 16)
-    return FwdTiles(head_dim, head_dim, block_m=64, block_n=block_n, warps=4)
+    # two 16-row tiles per warp halve the shared-memory reads of K and V per product
+    block_m = 128 if head_dim <= 128 else 64
+    block_n = 64 if head_dim <= 128 else 32
+    return FwdTiles(head_dim, head_dim, block_m=block_m, block_n=block_n, warps=4)
 
 
 def fwd_name(dtype_name: str, tiles: FwdTiles) -> str:
@@ -95,7 +97,7 @@ def bwd_tiles(dtype_name: str, head_dim: int) -> BwdTiles:
     if dtype_name == "float32":
         return BwdTiles(head_dim, 32, 16, warps=4)
     dcol = {192: 96, 256: 128}.get(head_dim, head_dim)
-    step = {32: 64, 64: 64, 128: 16, 256: 16}.get(head_dim, 32)
+    step = {32: 64, 64: 64, 256: 16}.get(head_dim, 32)
     return BwdTiles(head_dim, dcol, step, warps=4)
 
 

@@ -19,9 +19,31 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int nq) {
     return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E;
 }
 
-// p from a raw score (-inf where masked), rounded once in the exponent.
+// p from a raw score, rounded once in the exponent. MASKED: s is -inf where
+// the band excludes the key, and p must be 0 there whatever the scale's sign.
+template <class T, bool MASKED>
 __device__ __forceinline__ float probability(float s, float scale_log2, float lse2) {
-    return s == -CUFLASH_INF ? 0.f : exp2f(fmaf(s, scale_log2, -lse2));
+    const float p = exp2_p<T>(fmaf(s, scale_log2, -lse2));
+    return MASKED && s == -CUFLASH_INF ? 0.f : p;
+}
+
+// Scores of a warp's 16 x STEP tile to probabilities. Rows are keys and the
+// lse2 of each query column comes from shared memory (transposed tiles), or
+// rows are queries with their two lse2 values in registers.
+template <class T, bool MASKED, int S_TILES>
+__device__ __forceinline__ void probabilities_by_col(float (&s)[1][S_TILES][4], float scale_log2, const float* lse2) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, lse2[nt * 8 + 2 * t + (e & 1)]);
+}
+template <class T, bool MASKED, int S_TILES>
+__device__ __forceinline__ void probabilities_by_row(float (&s)[1][S_TILES][4], float scale_log2, const float (&lse2)[2]) {
+#pragma unroll
+    for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, lse2[e >> 1]);
 }
 
 template <class T>
@@ -136,14 +158,15 @@ attn_bwd_dkdv(const BwdParams p) {
         // s^T = k q^T (rows: this warp's keys; columns: the step's queries)
         float st[1][S_TILES][4];
         fill_zero(st);
-        mma_rows_rows<T, RTile, STile, HEAD_DIM>(st, s_k, warp_row0, q_st);
-        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) apply_band<true>(st, band, n0 + warp_row0, m0);
+        mma_rows_rows<T, RTile, STile, HEAD_DIM, Cfg::K_UNROLL>(st, s_k, warp_row0, q_st);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[0][nt][e] = probability(st[0][nt][e], scale_log2, lse2[nt * 8 + 2 * t + (e & 1)]);
+        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
+            apply_band<true>(st, band, n0 + warp_row0, m0);
+            probabilities_by_col<T, true>(st, scale_log2, lse2);
+        } else {
+            probabilities_by_col<T, false>(st, scale_log2, lse2);
+        }
 
         // dv += p^T dout
         mma_regs_cols<T, STile>(acc_dv, st, do_st, col0);
@@ -151,7 +174,7 @@ attn_bwd_dkdv(const BwdParams p) {
         // dp^T = v dout^T
         float dpt[1][S_TILES][4];
         fill_zero(dpt);
-        mma_rows_rows<T, RTile, STile, HEAD_DIM>(dpt, s_v, warp_row0, do_st);
+        mma_rows_rows<T, RTile, STile, HEAD_DIM, Cfg::K_UNROLL>(dpt, s_v, warp_row0, do_st);
 
         // ds^T = p^T (dp^T - delta of each query column)
 #pragma unroll
@@ -250,11 +273,12 @@ attn_bwd_dq(const BwdParams p) {
         float s[1][S_TILES][4];
         fill_zero(s);
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(s, s_q, warp_row0, k_st);
-        if (band.cuts(m0, m_end, n0, n0 + STEP)) apply_band(s, band, m0 + warp_row0, n0);
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][nt][e] = probability(s[0][nt][e], scale_log2, lse2[e >> 1]);
+        if (band.cuts(m0, m_end, n0, n0 + STEP)) {
+            apply_band(s, band, m0 + warp_row0, n0);
+            probabilities_by_row<T, true>(s, scale_log2, lse2);
+        } else {
+            probabilities_by_row<T, false>(s, scale_log2, lse2);
+        }
 
         // dp = dout v^T
         float dp[1][S_TILES][4];

@@ -66,7 +66,7 @@ attn_fwd(const AttnParams p) {
 
     float acc[M_TILES][D_TILES][4];
     fill_zero(acc);
-    OnlineSoftmax<M_TILES> softmax;
+    OnlineSoftmax<T, M_TILES> softmax;
     const float scale_log2 = float(p.scale_log2);
 
     if (nb_begin < nb_end) {
@@ -84,14 +84,17 @@ attn_fwd(const AttnParams p) {
         // s = q k^T for this warp's rows and the block's keys
         float s[M_TILES][N_TILES][4];
         fill_zero(s);
-        mma_rows_rows<T, QTile, KTile, HEAD_DIM>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
+        mma_rows_rows<T, QTile, KTile, HEAD_DIM, Cfg::QK_UNROLL>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
 
-        // hide what the band excludes
+        // p = exp2(s * scale_log2 - base), with m, l and acc brought up to date;
+        // only blocks that cross the band's edge are masked
         const int n0 = nb * BLOCK_N;
-        if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) apply_band(s, band, m0 + warp_row0, n0);
-
-        // p = exp2(s * scale_log2 - m), with m, l and acc brought up to date
-        softmax.update(s, acc, scale_log2);
+        if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) {
+            apply_band(s, band, m0 + warp_row0, n0);
+            softmax.template update<true>(s, acc, scale_log2);
+        } else {
+            softmax.template update<false>(s, acc, scale_log2);
+        }
 
         // acc += p v
         mma_regs_cols<T, VTile>(acc, s, s_v + stage * VTile::BYTES, 0);
@@ -100,7 +103,7 @@ attn_fwd(const AttnParams p) {
 
     // out = acc / l, lse = m + log l; rows past nq and columns past dv are not written
     float lse[M_TILES][2];
-    softmax.finish(acc, lse);
+    softmax.finish(acc, lse, scale_log2);
     Storage* g_out = static_cast<Storage*>(p.out) + (index_t(batch) * p.nq + m0) * p.dv + col0;
     float* g_lse = p.lse + index_t(batch) * p.nq + m0;
 #pragma unroll
@@ -113,7 +116,8 @@ attn_fwd(const AttnParams p) {
             for (int dt = 0; dt < D_TILES; ++dt) {
                 const int col = dt * 8 + 2 * t;
                 if (col < dv)
-                    Store<T>::pair(g_out + index_t(row) * p.dv + col, acc[mt][dt][2 * h], acc[mt][dt][2 * h + 1]);
+                    Store<T>::pair(g_out + index_t(row) * p.dv + col, saturate<T>(acc[mt][dt][2 * h]),
+                                   saturate<T>(acc[mt][dt][2 * h + 1]));
             }
             if (t == 0 && blockIdx.y == 0) g_lse[row] = lse[mt][h];
         }

@@ -19,9 +19,32 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 // and sums (see mma.cuh), so its results are as accurate as a float32 GEMM's.
 // K_UNROLL: how far head-dim loops unroll; float32's emulated products need
 // many registers per step, so its loops stay rolled.
-struct f16  { using storage = u16;   static constexpr int K_UNROLL = 16; };
-struct bf16 { using storage = u16;   static constexpr int K_UNROLL = 16; };
-struct f32  { using storage = float; static constexpr int K_UNROLL = 2; };
+// MAX_FINITE: the largest finite value; outputs saturate there, since rounding
+// can push a result that is at most max|v| just past it.
+// P_SHIFT: bfloat16 keeps softmax probabilities as p * 2^-32, so that the float32
+// sum of p * v over many keys cannot overflow when |v| nears bfloat16's largest
+// values. The shift sits in the exponent, which then lies near -32 and is
+// rounded at that scale: 3e-6 relative, far below bfloat16's precision but not
+// float32's. float16 values are far from overflow, and its P needs all of
+// float16's range.
+struct f16  { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 65504.f;         static constexpr int P_SHIFT = 0; };
+struct bf16 { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 3.38953139e38f;  static constexpr int P_SHIFT = 32; };
+struct f32  { using storage = float; static constexpr int K_UNROLL = 2;  static constexpr float MAX_FINITE = 3.40282347e38f;  static constexpr int P_SHIFT = 0; };
+
+// 2^x for softmax probabilities. 16-bit types take the hardware's approximate
+// exp2 (2 ulp, subnormal results flushed to 0: p below 2^-126 is far under their
+// precision); float32 keeps exp2f, which also keeps subnormal results.
+template <class T> __device__ __forceinline__ float exp2_p(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+template <> __device__ __forceinline__ float exp2_p<f32>(float x) { return exp2f(x); }
+
+// x clamped to T's finite range; NaN stays NaN (both comparisons are false).
+template <class T> __device__ __forceinline__ float saturate(float x) {
+    return x > T::MAX_FINITE ? T::MAX_FINITE : (x < -T::MAX_FINITE ? -T::MAX_FINITE : x);
+}
 
 // Two floats -> one register of two 16-bit values, `lo` in the low half (the lower address).
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
@@ -90,6 +113,10 @@ __device__ __forceinline__ void scale_by(float (&x)[A][B][4], float f) {
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_min(float x) {
+    x = fminf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fminf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);

@@ -163,9 +163,11 @@ __device__ __forceinline__ void scores_to_a(FragA<f32>& a, const float (&c0)[4],
 //
 // acc[mt][nt] += A[a_row0 + 16 mt + (0..16), 0..K) . B[8 nt + (0..8), 0..K)^T
 // with A and B both stored one row per output row/column (Q and K for Q K^T).
-template <class T, class ATile, class BTile, int K, int M_TILES, int N_TILES>
+// UNROLL: how far the loop over K unrolls (unrolled loops let the compiler hoist
+// fragment loads, which costs registers that a large warp tile may not have).
+template <class T, class ATile, class BTile, int K, int UNROLL = T::K_UNROLL, int M_TILES, int N_TILES>
 __device__ __forceinline__ void mma_rows_rows(float (&acc)[M_TILES][N_TILES][4], u32 s_a, int a_row0, u32 s_b) {
-#pragma unroll T::K_UNROLL
+#pragma unroll UNROLL
     for (int k0 = 0; k0 < K; k0 += 16) {
         FragA<T> a[M_TILES];
 #pragma unroll

@@ -1,15 +1,24 @@
 // softmax.cuh: online softmax over key blocks (log2 domain).
 //
 // Each thread owns two rows per 16-row tile (g and g + 8). For each it keeps
-// m, the running max of the scaled scores, and l, its share of the running
-// sum of exp2(score - m); when m grows, l and the output accumulator are
-// rescaled by exp2(m_old - m_new).
+// m, the raw score q.k with the largest scaled value seen so far (the max, or
+// for a negative scale the min), and l, its share of the running sum of
+// p = exp2((score - m) * scale_log2 - P_SHIFT). When m moves, l and the output
+// accumulator are rescaled by exp2((m_old - m_new) * scale_log2).
+//
+// The exponent starts from score - m, which is exact near the top of the row
+// (the two are close), so the largest p is exactly 2^-P_SHIFT however large
+// the logits; scaling first and subtracting a rounded, scaled max would leave
+// that rounding error (thousands, for logits of 1e10) in the exponent.
 #pragma once
 
 namespace cuflash {
 
-template <int M_TILES>
+__device__ __forceinline__ bool is_inf(float x) { return fabsf(x) == CUFLASH_INF; }
+
+template <class T, int M_TILES>
 struct OnlineSoftmax {
+    static constexpr float P_SHIFT = float(T::P_SHIFT);
     float m[M_TILES][2];
     float l[M_TILES][2];
 
@@ -20,28 +29,45 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) { m[mt][h] = -CUFLASH_INF; l[mt][h] = 0.f; }
     }
 
-    // s: raw scores q.k of one key block, -inf where masked; replaced by
-    // p = exp2(s * scale_log2 - m). The exponent is one fused multiply-add, so
-    // it is rounded once, near the row max, however large the logits.
-    // acc: the output accumulator, rescaled to the new max.
-    template <int N_TILES, int D_TILES>
+    // m is infinite only for a row that has seen no key; it then subtracts 0,
+    // so that its masked scores give exp2(-inf) = 0 rather than NaN.
+    __device__ __forceinline__ static float base_of(float m) { return is_inf(m) ? 0.f : m; }
+
+    // s: raw scores q.k of one key block; replaced by p. MASKED: s holds -inf
+    // where the band excludes a key; those become p = 0 whatever the sign of
+    // the scale. An unmasked block has only finite scores and skips that test.
+    // acc: the output accumulator, rescaled to the new m.
+    template <bool MASKED, int N_TILES, int D_TILES>
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4],
                                            float scale_log2) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m_new = m[mt][h];
+                const float m_old = m[mt][h];
+                float m_new;
+                if (scale_log2 >= 0.f) {
+                    float top = -CUFLASH_INF;
 #pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
+                    for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e)
-                        if (s[mt][nt][e] != -CUFLASH_INF) m_new = fmaxf(m_new, s[mt][nt][e] * scale_log2);
-                m_new = quad_max(m_new);
-                // A row that has seen no key yet keeps m = -inf; subtracting 0
-                // then gives p = 0 instead of exp2(-inf + inf) = NaN.
-                const float base = m_new == -CUFLASH_INF ? 0.f : m_new;
-                const float alpha = exp2f(m[mt][h] - base);
+                        for (int e = 2 * h; e < 2 * h + 2; ++e) top = fmaxf(top, s[mt][nt][e]);
+                    m_new = fmaxf(m_old, quad_max(top));
+                } else {
+                    float top = CUFLASH_INF;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                            const float x = s[mt][nt][e];
+                            top = fminf(top, MASKED && x == -CUFLASH_INF ? CUFLASH_INF : x);
+                        }
+                    top = quad_min(top);
+                    m_new = m_old == -CUFLASH_INF ? top : fminf(m_old, top);
+                }
+                const float base = base_of(m_new);
+                // a row that saw no key before this block has acc = l = 0
+                const float alpha = is_inf(m_old) ? 0.f : exp2_p<T>((m_old - base) * scale_log2);
                 m[mt][h] = m_new;
                 float sum = 0.f;
 #pragma unroll
@@ -49,7 +75,8 @@ struct OnlineSoftmax {
 #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
                         const float x = s[mt][nt][e];
-                        s[mt][nt][e] = x == -CUFLASH_INF ? 0.f : exp2f(fmaf(x, scale_log2, -base));
+                        const float p = exp2_p<T>(fmaf(x - base, scale_log2, -P_SHIFT));
+                        s[mt][nt][e] = MASKED && x == -CUFLASH_INF ? 0.f : p;
                         sum += s[mt][nt][e];
                     }
                 l[mt][h] = l[mt][h] * alpha + sum;
@@ -61,17 +88,21 @@ struct OnlineSoftmax {
             }
     }
 
-    // out = acc / l; lse = ln(sum exp(scale * score)) = (m + log2 l) * ln 2.
+    // out = acc / l; lse = ln(sum exp(scale * score)) = (m * scale_log2 + P_SHIFT + log2 l) * ln 2.
     // A row that saw no key gets out = 0 and lse = -inf.
     template <int D_TILES>
-    __device__ __forceinline__ void finish(float (&acc)[M_TILES][D_TILES][4], float (&lse)[M_TILES][2]) {
+    __device__ __forceinline__ void finish(float (&acc)[M_TILES][D_TILES][4], float (&lse)[M_TILES][2],
+                                           float scale_log2) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float sum = quad_sum(l[mt][h]);
-                const float inv = sum > 0.f ? 1.f / sum : 0.f;
-                lse[mt][h] = sum > 0.f ? (m[mt][h] + log2f(sum)) * 0.69314718055994530942f : -CUFLASH_INF;
+                // sum is 0 only for a row that saw no key; a NaN sum (NaN in the inputs) stays NaN
+                const bool none = sum == 0.f;
+                const float inv = none ? 0.f : 1.f / sum;
+                const float lse2 = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT) + log2f(sum);
+                lse[mt][h] = none ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
 #pragma unroll
                 for (int dt = 0; dt < D_TILES; ++dt) {
                     acc[mt][dt][2 * h] *= inv;

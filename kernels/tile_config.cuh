@@ -18,6 +18,12 @@ struct FwdConfig {
     static constexpr int N_TILES = BLOCK_N / 8;              // 8-key score tiles
     static constexpr int D_TILES = DV_BLOCK / 8;             // 8-column output tiles
     static constexpr int STAGES = 2;                         // K/V blocks in flight
+    // When score and output accumulators take 160 or more of a thread's 255
+    // registers, the q k^T loop over the head dim stays rolled: no registers are
+    // left for loads hoisted across iterations, and each iteration has 16 or more
+    // MMAs to hide the loop.
+    static constexpr int ACC_REGISTERS = M_TILES * (N_TILES + D_TILES) * 4;
+    static constexpr int QK_UNROLL = ACC_REGISTERS >= 160 ? 1 : T::K_UNROLL;
 
     using QTile = SmemTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = SmemTile<Storage, BLOCK_N, HEAD_DIM>;
@@ -44,6 +50,10 @@ struct BwdConfig {
     static constexpr int STAGES = 2;
     static constexpr int S_TILES = STEP / 8;       // 8-wide score tiles per warp
     static constexpr int D_TILES = DCOL / 8;       // 8-column gradient tiles per warp
+    // dk and dv accumulators plus two score tiles; as in the forward, loops over
+    // the head dim stay rolled when these take 160 or more registers
+    static constexpr int ACC_REGISTERS = (2 * D_TILES + 2 * S_TILES) * 4;
+    static constexpr int K_UNROLL = ACC_REGISTERS >= 160 ? 1 : T::K_UNROLL;
 
     using ResidentTile = SmemTile<Storage, RESIDENT, HEAD_DIM>;
     using StepTile = SmemTile<Storage, STEP, HEAD_DIM>;
