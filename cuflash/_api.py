@@ -87,16 +87,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     --------
     cuflash.reference.attention_backward : the NumPy float64 version.
     """
-    x = _checks.attention_inputs(q, k, v, causal, window, scale)
+    x = _checks.attention_inputs(q, k, v, causal, window, scale, dout=dout, out=out, lse=lse)
     cupy = _checks.require_cupy()
     out, dout, lse = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
+    # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
+    launch = x.batch_size and x.nq and x.nk
+    alloc = cupy.empty if launch else cupy.zeros
     with x.q.device:
         shape = x.batch_shape
-        delta = cupy.empty(shape + (x.nq,), dtype=cupy.float32)
-        dq = cupy.empty(shape + (x.nq, x.d), dtype=x.q.dtype)
-        dk = cupy.empty(shape + (x.nk, x.d), dtype=x.q.dtype)
-        dv = cupy.empty(shape + (x.nk, x.dv), dtype=x.q.dtype)
-        if x.batch_size:
+        dq = alloc(shape + (x.nq, x.d), dtype=x.q.dtype)
+        dk = alloc(shape + (x.nk, x.d), dtype=x.q.dtype)
+        dv = alloc(shape + (x.nk, x.dv), dtype=x.q.dtype)
+        if launch:
+            delta = cupy.empty(shape + (x.nq,), dtype=cupy.float32)
             _dispatch.launch_backward(x, out, lse, dout, delta, dq, dk, dv)
         # gradients of broadcast inputs: summed over the broadcast dims, in float32
         return tuple(

@@ -103,7 +103,7 @@ def require_gpu(cupy) -> None:
         try:
             count = cupy.cuda.runtime.getDeviceCount()
             _gpu_error = "" if count > 0 else "CUDA reports no devices"
-        except Exception as err:  # no driver, no device
+        except Exception as err:  # noqa: BLE001 (whatever fails here, there is no usable GPU)
             _gpu_error = f"{type(err).__name__}: {err}"
     if _gpu_error:
         raise RuntimeError(
@@ -112,38 +112,66 @@ def require_gpu(cupy) -> None:
         )
 
 
-def check_arrays(cupy, **arrays) -> str:
-    """Checks that every argument is a CuPy array of one supported dtype on one device.
+def _type_name(x) -> str:
+    kind = type(x)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
-    Returns the dtype's name.
-    """
+
+def conversion_hint(name: str, x) -> str:
+    """How to turn ``x``, given as argument ``name``, into a CuPy array."""
+    if type(x).__module__.split(".")[0] == "torch":
+        return f"cupy.from_dlpack({name}) (zero-copy; the tensor must be on a CUDA device, e.g. {name}.cuda())"
+    # NumPy arrays also have __dlpack__, but their memory is on the host: they need a copy.
+    if not isinstance(x, (np.ndarray, np.generic)):
+        if hasattr(x, "__dlpack__"):  # JAX arrays and others
+            return f"cupy.from_dlpack({name}) (zero-copy)"
+        if hasattr(x, "__cuda_array_interface__"):  # cupy.asarray reads it without a copy
+            return f"cupy.asarray({name}) (zero-copy)"
+    return f"cupy.asarray({name})"
+
+
+def check_cupy(cupy, **arrays) -> None:
+    """Raises TypeError, saying how to convert it, for the first argument that is not a CuPy array."""
     for name, x in arrays.items():
         if not isinstance(x, cupy.ndarray):
-            kind = type(x)
-            hint = f"cupy.asarray({name})"
-            if kind.__module__.split(".")[0] == "torch":
-                hint = f"cupy.from_dlpack({name}) (zero-copy)"
             raise TypeError(
-                f"{name} must be a cupy.ndarray, got {kind.__module__}.{kind.__qualname__}; "
-                f"convert it with {hint}"
+                f"{name} must be a cupy.ndarray, got {_type_name(x)}; convert it with {conversion_hint(name, x)}"
             )
-    dtypes = {name: x.dtype for name, x in arrays.items()}
-    first_name, first = next(iter(dtypes.items()))
+
+
+def _listing(words, last: str = "or") -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    *rest, final = words
+    return f"{', '.join(rest)} {last} {final}" if rest else final
+
+
+def check_dtypes(**dtypes) -> str:
+    """Checks the dtypes of the arguments (by name) are one supported dtype; returns its name.
+
+    Takes dtypes, not arrays, so that it runs without a GPU.
+    """
+    dtypes = {name: np.dtype(dt) for name, dt in dtypes.items()}
     for name, dt in dtypes.items():
         if dt.name not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {dt}; cuflash supports {', '.join(SUPPORTED_DTYPES)}")
-        if dt != first:
             raise TypeError(
-                "q, k and v must share one dtype, got "
-                + ", ".join(f"{n}.dtype={d}" for n, d in dtypes.items())
+                f"{name} must have dtype {_listing(SUPPORTED_DTYPES)}, got {dt.name} "
+                f"(cast it, e.g. {name}.astype(cupy.float32))"
             )
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(
+            f"{_listing(dtypes, 'and')} must share one dtype, got "
+            + ", ".join(f"{name}.dtype={dt.name}" for name, dt in dtypes.items())
+        )
+    return next(iter(dtypes.values())).name
+
+
+def check_devices(**arrays) -> None:
     devices = {name: x.device.id for name, x in arrays.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(
             "all arrays must be on one device, got "
-            + ", ".join(f"{n} on device {d}" for n, d in devices.items())
+            + ", ".join(f"{name} on device {d}" for name, d in devices.items())
         )
-    return first.name
 
 
 @dataclass
@@ -217,10 +245,20 @@ def _batch_layout(batch_shape, arrays):
     return shape, per_tensor
 
 
-def attention_inputs(q, k, v, causal, window, scale) -> AttnInputs:
+def attention_inputs(q, k, v, causal, window, scale, **more) -> AttnInputs:
+    """Checks the inputs of a forward or backward call; returns them laid out for a launch.
+
+    ``more`` holds the backward's other arrays (dout, out, lse): their types are checked
+    here with q, k, v, before the GPU is looked for, and their devices with q's;
+    `backward_arrays` checks the rest.
+    """
     cupy = require_cupy()
+    # Types first: a non-CuPy input on a machine without a GPU gets the conversion hint,
+    # not the no-GPU error (and no CuPy array exists without a GPU).
+    check_cupy(cupy, q=q, k=k, v=v, **more)
     require_gpu(cupy)
-    dtype_name = check_arrays(cupy, q=q, k=k, v=v)
+    dtype_name = check_dtypes(q=q.dtype, k=k.dtype, v=v.dtype)
+    check_devices(q=q, k=k, v=v, **more)
     batch_shape = check_shapes(q.shape, k.shape, v.shape)
     nq, d = q.shape[-2:]
     nk, dv = v.shape[-2:]
@@ -237,25 +275,32 @@ def attention_inputs(q, k, v, causal, window, scale) -> AttnInputs:
     )
 
 
-def backward_arrays(cupy, x: AttnInputs, **arrays):
-    """Checks out, dout (broadcast(batch) + (Nq, Dv), the inputs' dtype) and lse
-    (broadcast(batch) + (Nq,), float32); returns them contiguous, in that order."""
+def check_backward_arrays(batch_shape, nq: int, dv: int, dtype, **given) -> None:
+    """Checks out, dout and lse, each given as (shape, dtype), against what the forward
+    returns for these q, k, v: out and dout broadcast(batch) + (Nq, Dv) in the inputs'
+    dtype, lse broadcast(batch) + (Nq,) in float32.
+
+    Takes shapes and dtypes, not arrays, so that it runs without a GPU.
+    """
+    out_shape = tuple(batch_shape) + (nq, dv)
     want = {
-        "out": (x.batch_shape + (x.nq, x.dv), x.q.dtype),
-        "dout": (x.batch_shape + (x.nq, x.dv), x.q.dtype),
-        "lse": (x.batch_shape + (x.nq,), np.dtype(np.float32)),
+        "out": (out_shape, np.dtype(dtype), "as attention(q, k, v) returns it"),
+        "dout": (out_shape, np.dtype(dtype), "those of out"),
+        "lse": (out_shape[:-1], np.dtype(np.float32), "as attention(q, k, v, return_lse=True) returns it"),
     }
-    result = []
-    for name, (shape, dtype) in want.items():
-        a = arrays[name]
-        if not isinstance(a, cupy.ndarray):
-            raise TypeError(f"{name} must be a cupy.ndarray, got {type(a).__module__}.{type(a).__qualname__}")
-        if a.shape != shape or a.dtype != dtype:
+    for name, (shape, dt) in given.items():
+        want_shape, want_dtype, why = want[name]
+        if tuple(shape) != want_shape or np.dtype(dt) != want_dtype:
             raise ValueError(
-                f"{name} must have shape {shape} and dtype {dtype} (from q, k, v), "
-                f"got shape {a.shape} and dtype {a.dtype}"
+                f"{name} must have shape {want_shape} and dtype {want_dtype.name} ({why}), "
+                f"got shape {tuple(shape)} and dtype {np.dtype(dt).name}"
             )
-        if a.device.id != x.q.device.id:
-            raise ValueError(f"{name} is on device {a.device.id}, q on device {x.q.device.id}")
-        result.append(cupy.ascontiguousarray(a))
-    return tuple(result)
+
+
+def backward_arrays(cupy, x: AttnInputs, **arrays):
+    """Checks out, dout and lse (see `check_backward_arrays`); returns them contiguous, in the order given.
+
+    Their types and devices were checked by `attention_inputs`.
+    """
+    check_backward_arrays(x.batch_shape, x.nq, x.dv, x.q.dtype, **{n: (a.shape, a.dtype) for n, a in arrays.items()})
+    return tuple(cupy.ascontiguousarray(a) for a in arrays.values())
