@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import pytest
@@ -87,3 +88,38 @@ def assert_lse_close(lse, ref_lse):
     assert np.isfinite(lse[finite]).all(), "lse is not finite on a row that sees keys"
     if finite.any():
         assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-3
+
+
+# One thread spinning on the SM clock: keeps a stream busy for a known time, so that a test
+# can tell whether later work was ordered after it on the same stream.
+_SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}
+"""
+
+
+@functools.cache
+def _spin_kernel():
+    import cupy
+
+    return cupy.RawKernel(_SPIN_SOURCE, "spin")
+
+
+def spin(seconds: float) -> None:
+    """Enqueues a kernel that keeps CuPy's current stream busy for about `seconds`."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    dev = cupy.cuda.Device().id
+    khz = runtime.getDeviceProperties(dev).get("clockRate", 0)
+    if not khz:  # CUDA 13 dropped clockRate from the properties; the attribute replaces it
+        try:
+            khz = runtime.deviceGetAttribute(runtime.cudaDevAttrClockRate, dev)
+        except runtime.CUDARuntimeError:
+            khz = 0
+    cycles = int(seconds * (int(khz) or 2_000_000) * 1e3)
+    _spin_kernel()((1,), (1,), (np.int64(cycles),))
+

@@ -1,7 +1,21 @@
-"""Small forward and backward calls over a representative set of specializations, for compute-sanitizer.
+"""Small forward and backward calls over every dtype, head dim and mask, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck python tools/sanitize_cases.py
+    bash tools/sanitize.sh [OUTDIR]        # memcheck, racecheck, initcheck, synccheck
+    compute-sanitizer --tool memcheck python3 tools/sanitize_cases.py
+
+Covers float16, bfloat16 and float32; D in {64, 128, 256}; no mask, causal and a window;
+odd lengths (Nq = 67, Nk = 93); Nq > Nk with causal (rows that see no key) and with a
+window; a GQA broadcast (k, v shared by 3 query heads); D != Dv (40 and 72, both padded
+to the 96 head-dim bucket) on strided (B, N, H, D) -> (B, H, N, D) views. Each case runs the
+forward and the backward (attention_vjp).
+
+CuPy's memory pool is switched off, so that every array is its own cudaMalloc: memcheck
+then sees an access past the end of any array, and initcheck a read of bytes nothing
+wrote (a pool hands out blocks that earlier arrays initialized). Exits 1 if any output
+or gradient is not finite.
 """
+
+import sys
 
 import cupy
 import ml_dtypes  # noqa: F401
@@ -9,15 +23,49 @@ import numpy as np
 
 import cuflash
 
+cupy.cuda.set_allocator(None)
 rng = np.random.default_rng(0)
+
+
+def randn(shape, dtype):
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def run_case(label, q, k, v, **mask):
+    """Forward and backward; True when out, dq, dk and dv are all finite."""
+    out, vjp = cuflash.attention_vjp(q, k, v, **mask)
+    grads = vjp(randn(out.shape, q.dtype))
+    cupy.cuda.Device().synchronize()
+    bad = [
+        name
+        for name, x in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads))
+        if not bool(cupy.isfinite(x.astype(np.float32)).all())
+    ]
+    print(f"{label:58s} {'finite' if not bad else 'NOT FINITE: ' + ', '.join(bad)}", flush=True)
+    return not bad
+
+
+MASKS = (("no mask", {}), ("causal", {"causal": True}), ("window (17, 5)", {"window": (17, 5)}))
+
+ok = True
 for dtype in ("float16", "bfloat16", "float32"):
     for d in (64, 128, 256):
-        for mask in ({}, {"causal": True}, {"window": (17, 5)}):
-            q = cupy.asarray(rng.standard_normal((2, 67, d), dtype=np.float32)).astype(dtype)
-            k = cupy.asarray(rng.standard_normal((2, 93, d), dtype=np.float32)).astype(dtype)
-            v = cupy.asarray(rng.standard_normal((2, 93, d), dtype=np.float32)).astype(dtype)
-            out, vjp = cuflash.attention_vjp(q, k, v, **mask)
-            grads = vjp(cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)).astype(dtype))
-            cupy.cuda.Device().synchronize()
-            finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (out,) + grads)
-            print(dtype, d, mask, "finite:", finite)
+        for name, mask in MASKS:
+            q, k, v = randn((2, 67, d), dtype), randn((2, 93, d), dtype), randn((2, 93, d), dtype)
+            ok &= run_case(f"{dtype} D={d} Nq=67 Nk=93 {name}", q, k, v, **mask)
+    # Nq > Nk: with causal the first 26 rows see no key (out 0, zero gradients)
+    for name, mask in (("causal", {"causal": True}), ("window (9, 3)", {"window": (9, 3)})):
+        q, k, v = randn((2, 93, 64), dtype), randn((2, 67, 64), dtype), randn((2, 67, 64), dtype)
+        ok &= run_case(f"{dtype} D=64 Nq=93 Nk=67 {name}", q, k, v, **mask)
+    # GQA: (B, Hkv, G, N, D) queries against (B, Hkv, 1, N, D) keys and values
+    q = randn((2, 2, 3, 67, 64), dtype)
+    k, v = randn((2, 2, 1, 93, 64), dtype), randn((2, 2, 1, 93, 64), dtype)
+    ok &= run_case(f"{dtype} D=64 GQA 2x3 heads causal", q, k, v, causal=True)
+    # D = 40, Dv = 72 (both padded to the 96 bucket), (B, N, H, D) storage read as (B, H, N, D)
+    q = randn((2, 67, 3, 40), dtype).transpose(0, 2, 1, 3)
+    k = randn((2, 93, 3, 40), dtype).transpose(0, 2, 1, 3)
+    v = randn((2, 93, 3, 72), dtype).transpose(0, 2, 1, 3)
+    ok &= run_case(f"{dtype} D=40 Dv=72 strided window (30, None)", q, k, v, window=(30, None))
+
+print("all outputs finite" if ok else "SOME OUTPUTS ARE NOT FINITE", flush=True)
+sys.exit(0 if ok else 1)
