@@ -9,13 +9,15 @@ Grid: dtype x head dim D x causal x N, with batch = 16384 / N and heads = 2048 /
 backward timed alone (given out, lse / the autograd graph). Times are CUDA-event medians of
 --repeat runs after warm-up, cycling through two input sets so the L2 cache does not flatter.
 Prints a table of TFLOP/s and cuflash/rival ratios, writes results.json and, when matplotlib is
-there, one PNG chart per (dtype, D, causal, direction). Progress goes to stderr.
+there, one PNG chart per dtype with a panel per (direction, D, causal); without matplotlib,
+`--charts-from DIR/results.json` draws them later on another machine. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -63,14 +65,13 @@ def median_ms(fn, inputs, repeat, warmup=3):
 
 
 def make_inputs(b, h, n, d, dtype, sets=2):
-    rng = np.random.default_rng(n * d)
-    out = []
-    for _ in range(sets):
-        q, k, v, do = (
-            cupy.asarray(rng.standard_normal((b, h, n, d), dtype=np.float32)).astype(dtype) for _ in range(4)
-        )
-        out.append((q, k, v, do))
-    return out
+    """`sets` independent (q, k, v, dout) sets, drawn on the GPU. Each tensor of the grid is
+    64 MiB, beyond the 50 MiB L2 cache, and the timing loop alternates between sets."""
+    rng = cupy.random.default_rng(n * d)
+    return [
+        tuple(rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(dtype) for _ in range(4))
+        for _ in range(sets)
+    ]
 
 
 def time_cuflash(data, causal, direction, repeat):
@@ -105,7 +106,7 @@ def time_torch(backend, data, causal, direction, repeat):
         )
 
 
-def run_cell(dtype, d, causal, n, direction, providers, repeat):
+def run_cell(dtype, d, causal, n, direction, providers, repeat, naive_max_n):
     b, h = 16384 // n, 2048 // d
     flops = 4 * b * h * n * n * d / (2 if causal else 1) * (2.5 if direction == "bwd" else 1)
     data = make_inputs(b, h, n, d, dtype)
@@ -115,7 +116,7 @@ def run_cell(dtype, d, causal, n, direction, providers, repeat):
             if name == "cuflash":
                 ms = time_cuflash(data, causal, direction, repeat)
             elif name == "naive":
-                if b * h * n * n * 4 > NAIVE_MAX_SCORE_BYTES:
+                if n > naive_max_n or b * h * n * n * 4 > NAIVE_MAX_SCORE_BYTES:
                     continue
                 ms = time_naive(data, causal, direction, repeat)
             else:
@@ -146,6 +147,7 @@ def print_table(rows, providers):
 
 
 def draw_charts(rows, providers, out_dir):
+    """One PNG per dtype: TFLOP/s against N, a panel per (direction, D, causal), a line per provider."""
     try:
         import matplotlib
 
@@ -154,22 +156,29 @@ def draw_charts(rows, providers, out_dir):
     except ImportError:
         log("matplotlib not available: no charts")
         return
-    panels = sorted({(r["dtype"], r["D"], r["causal"], r["direction"]) for r in rows})
-    for dtype, d, causal, direction in panels:
-        sel = [r for r in rows if (r["dtype"], r["D"], r["causal"], r["direction"]) == (dtype, d, causal, direction)]
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for p in providers:
-            pts = [(r["N"], r["tflops"][p]) for r in sel if p in r["tflops"]]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=p)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("N")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{direction} {dtype} D={d} {'causal' if causal else 'non-causal'}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    for dtype in sorted({r["dtype"] for r in rows}):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        lines = sorted({(r["direction"] == "bwd", r["causal"]) for r in mine})  # one row each
+        dims = sorted({r["D"] for r in mine})  # one column each
+        fig, axes = plt.subplots(len(lines), len(dims), figsize=(3.6 * len(dims), 2.6 * len(lines)), squeeze=False)
+        for (i, (bwd, causal)), (j, d) in itertools.product(enumerate(lines), enumerate(dims)):
+            ax = axes[i][j]
+            sel = [r for r in mine if (r["direction"] == "bwd", r["D"], r["causal"]) == (bwd, d, causal)]
+            for p in providers:
+                pts = sorted((r["N"], r["tflops"][p]) for r in sel if p in r["tflops"])
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", markersize=3, label=p)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{'bwd' if bwd else 'fwd'} D={d} {'causal' if causal else 'non-causal'}", fontsize=9)
+            ax.set_xlabel("N", fontsize=8)
+            ax.set_ylabel("TFLOP/s", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle(f"attention {dtype}, batch = 16384 / N, heads = 2048 / D", fontsize=10)
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{direction}_{dtype}_d{d}_{'causal' if causal else 'full'}.png"), dpi=100)
+        fig.savefig(os.path.join(out_dir, f"tflops_{dtype}.png"), dpi=90)
         plt.close(fig)
 
 
@@ -184,8 +193,19 @@ def main():
     ap.add_argument("--directions", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     ap.add_argument("--providers", nargs="+", default=["cuflash", *TORCH_BACKENDS, "naive"])
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--naive-max-n", type=int, default=2048,
+                    help="longest N for naive CuPy (it is 20-60x slower and stores the N x N scores)")
     ap.add_argument("--no-charts", action="store_true")
+    ap.add_argument("--charts-from", metavar="JSON", help="draw the charts and table of an earlier run into --out")
     args = ap.parse_args()
+    if args.charts_from:
+        with open(args.charts_from) as f:
+            saved = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        providers = list(dict.fromkeys(p for r in saved["rows"] for p in r["tflops"]))
+        draw_charts(saved["rows"], providers, args.out)
+        print_table(saved["rows"], providers)
+        return
     if args.quick:
         args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096]
     os.makedirs(args.out, exist_ok=True)
@@ -197,7 +217,7 @@ def main():
                 for n in args.seqlens:
                     for direction in args.directions:
                         log(f"{dtype} D={d} causal={causal} N={n} {direction}")
-                        rows.append(run_cell(dtype, d, causal, n, direction, args.providers, args.repeat))
+                        rows.append(run_cell(dtype, d, causal, n, direction, args.providers, args.repeat, args.naive_max_n))
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     meta = {
