@@ -210,15 +210,6 @@ def main():
         args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096]
     os.makedirs(args.out, exist_ok=True)
 
-    rows = []
-    for dtype in args.dtypes:
-        for d in args.head_dims:
-            for causal in (c == "true" for c in args.causal):
-                for n in args.seqlens:
-                    for direction in args.directions:
-                        log(f"{dtype} D={d} causal={causal} N={n} {direction}")
-                        rows.append(run_cell(dtype, d, causal, n, direction, args.providers, args.repeat, args.naive_max_n))
-
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     meta = {
         "device": props["name"].decode(),
@@ -230,8 +221,17 @@ def main():
         "python": platform.python_version(),
         "repeat": args.repeat,
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    rows = []
+    for dtype in args.dtypes:
+        for d in args.head_dims:
+            for causal in (c == "true" for c in args.causal):
+                for n in args.seqlens:
+                    for direction in args.directions:
+                        log(f"{dtype} D={d} causal={causal} N={n} {direction}")
+                        rows.append(run_cell(dtype, d, causal, n, direction, args.providers, args.repeat, args.naive_max_n))
+                        # rewritten after every cell, so that an interrupted run keeps what it measured
+                        with open(os.path.join(args.out, "results.json"), "w") as f:
+                            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     if not args.no_charts:
         draw_charts(rows, args.providers, args.out)
     print(f"{meta['device']}, {meta['date']}, torch {meta['torch']}, cuDNN {meta['cudnn']}, CuPy {meta['cupy']}")
