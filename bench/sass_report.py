@@ -26,7 +26,7 @@ from cupy_backends.cuda.libs import nvrtc
 
 from cuflash import _compile, _dispatch
 
-COUNTED = ("HMMA", "LDSM", "LDGSTS", "MUFU.EX2", "FMUL", "FFMA", "FADD", "FMNMX", "SHFL", "BAR", "LDL", "STL")
+COUNTED = ("HGMMA", "HMMA", "LDSM", "LDGSTS", "MUFU.EX2", "FMUL", "FFMA", "FADD", "FMNMX", "SHFL", "BAR", "LDL", "STL")
 
 
 def default_names():

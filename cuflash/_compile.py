@@ -20,11 +20,14 @@ KERNEL_FILES = (
     "params.cuh",
     "smem.cuh",
     "mma.cuh",
+    "wgmma.cuh",
     "mask.cuh",
     "softmax.cuh",
     "tile_config.cuh",
     "attn_fwd.cuh",
+    "attn_fwd_sm90.cuh",
     "attn_bwd.cuh",
+    "attn_bwd_sm90.cuh",
 )
 
 
@@ -92,6 +95,13 @@ def _module_options(arch: str) -> tuple[str, ...]:
 
 _lock = threading.Lock()
 _functions: dict[tuple[int, str], object] = {}
+
+
+def current_arch() -> str:
+    """The architecture kernels are built for on the current device."""
+    import cupy
+
+    return target_arch(cupy.cuda.Device().compute_capability)
 
 
 def get_function(name_expression: str, smem_bytes: int):

@@ -71,6 +71,46 @@ def fwd_name(dtype_name: str, tiles: FwdTiles) -> str:
 
 
 @dataclass(frozen=True)
+class Sm90FwdTiles:
+    """Tile shape of the Hopper forward kernel (kernels/attn_fwd_sm90.cuh)."""
+
+    head_dim: int  # d and dv padded up to this bucket, a multiple of 64
+    block_n: int  # keys per pipeline step
+    warpgroups: int  # each owns 64 query rows
+    stages: int = 2  # K and V blocks in flight
+    min_blocks: int = 1  # blocks per SM the registers are budgeted for
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def smem_bytes(self, itemsize: int) -> int:
+        # tile_config.cuh: Sm90FwdConfig::SMEM_BYTES (1024 bytes to align the swizzle atoms)
+        return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
+
+
+def sm90_fwd_tiles(dtype_name: str, head_dim: int) -> Sm90FwdTiles | None:
+    """The Hopper forward tiles for (dtype, head-dim bucket), or None where the
+    portable kernel runs instead (float32, head dims that are not whole 64-column panels)."""
+    if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
+        return None
+    # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage
+    # gained nothing, and 64-key blocks beat 128 at head dim 64
+    block_n = 128 if head_dim == 128 else 64
+    return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2)
+
+
+def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles) -> str:
+    t = tiles
+    elem = ELEMENT_TYPES[dtype_name][0]
+    return f"cuflash::attn_fwd_sm90<{elem}, {t.head_dim}, {t.block_n}, {t.warpgroups}, {t.stages}, {t.min_blocks}>"
+
+
+@dataclass(frozen=True)
 class BwdTiles:
     head_dim: int  # d and dv padded up to this bucket
     dcol: int  # gradient columns per thread block (a grid dimension when < head_dim)
@@ -109,20 +149,82 @@ def bwd_names(dtype_name: str, tiles: BwdTiles) -> tuple[str, str, str]:
     return (f"cuflash::attn_bwd_delta<{elem}>", f"cuflash::attn_bwd_dkdv<{args}>", f"cuflash::attn_bwd_dq<{args}>")
 
 
-def all_specializations() -> list[str]:
-    """Every kernel name expression the library can launch."""
+@dataclass(frozen=True)
+class Sm90BwdTiles:
+    """Tile shape of the Hopper backward kernels (kernels/attn_bwd_sm90.cuh)."""
+
+    head_dim: int  # d and dv padded up to this bucket, a multiple of 64
+    dkdv_dcol: int  # dk/dv columns per block (a grid dimension when < head_dim)
+    dq_dcol: int  # dq columns per block
+    step: int  # rows of the streamed side per pipeline step
+    warpgroups: int  # each owns 64 resident rows
+    stages: int = 2  # steps in flight
+    min_blocks: int = 1  # blocks per SM the registers are budgeted for
+
+    @property
+    def resident(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def smem_bytes(self, itemsize: int) -> int:
+        # tile_config.cuh: Sm90BwdConfig::SMEM_BYTES
+        tiles = 2 * self.resident + 2 * self.stages * self.step
+        return 1024 + tiles * self.head_dim * itemsize + 2 * self.stages * self.step * 4
+
+
+def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
+    """The Hopper backward tiles for (dtype, head-dim bucket), or None (as sm90_fwd_tiles).
+
+    Gradient accumulators of 64 rows x 256 columns (two of them for dk/dv) leave too
+    few registers, so at head dim 256 both passes split their columns over two blocks."""
+    if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
+        return None
+    step = 32 if head_dim == 256 else 64
+    # a third stage helps only at head dim 256, where a step is 32 rows (bench/NOTES.md)
+    stages = 3 if head_dim == 256 else 2
+    return Sm90BwdTiles(head_dim, min(head_dim, 128), min(head_dim, 128), step, warpgroups=2, stages=stages)
+
+
+def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles) -> tuple[str, str]:
+    """(dk/dv, dq) kernel name expressions."""
+    t = tiles
+    elem = ELEMENT_TYPES[dtype_name][0]
+    rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}"
+    return (
+        f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>",
+        f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {rest}>",
+    )
+
+
+def all_specializations(arch: str = "sm_80") -> list[str]:
+    """Every kernel name expression the library can launch on a target such as ``"sm_90a"``."""
     names = []
     for dt in ELEMENT_TYPES:
         for hd in HEAD_DIM_BUCKETS:
             names.append(fwd_name(dt, fwd_tiles(dt, hd)))
             names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd)) if n not in names)
+            sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
+            if sm90 is not None:
+                names.append(sm90_fwd_name(dt, sm90))
+                names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd)))
     return names
 
 
 def launch_forward(inputs, out, lse) -> None:
     """Runs the forward kernel over the whole broadcast batch in one launch."""
     x = inputs
-    tiles = fwd_tiles(x.dtype_name, head_dim_bucket(x.d, x.dv))
+    head_dim = head_dim_bucket(x.d, x.dv)
+    sm90 = sm90_fwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
+    if sm90 is not None:
+        smem = sm90.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
+        fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90), smem)
+        params = _params.attn_params(x, out, lse, sm90.block_m)
+        fn((int(params[0]["num_m_blocks"]) * x.batch_size,), (sm90.threads,), (params,), shared_mem=smem)
+        return
+    tiles = fwd_tiles(x.dtype_name, head_dim)
     smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
     fn = _compile.get_function(fwd_name(x.dtype_name, tiles), smem)
     params = _params.attn_params(x, out, lse, tiles.block_m)
@@ -133,14 +235,21 @@ def launch_forward(inputs, out, lse) -> None:
 def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
     """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks."""
     x = inputs
-    tiles = bwd_tiles(x.dtype_name, head_dim_bucket(x.d, x.dv))
-    smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
-    delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
-    params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, tiles.resident)
+    head_dim = head_dim_bucket(x.d, x.dv)
+    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
+    tiles = bwd_tiles(x.dtype_name, head_dim)
+    resident = tiles.resident if sm90 is None else sm90.resident
+    params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, resident)
     record = params[0]
     rows = x.batch_size * x.nq
     if rows:
+        delta_name = bwd_names(x.dtype_name, tiles)[0]
         _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (params,))
+    if sm90 is not None:
+        _launch_backward_sm90(x, sm90, params, record)
+        return
+    smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
+    _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
     threads = (tiles.warps * 32,)
     col_blocks = max(1, -(-max(x.d, x.dv) // tiles.dcol))
     if x.nk:
@@ -149,3 +258,17 @@ def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
     if x.nq:
         fn = _compile.get_function(dq_name, smem)
         fn((int(record["num_m_blocks"]) * x.batch_size, col_blocks), threads, (params,), shared_mem=smem)
+
+
+def _launch_backward_sm90(x, tiles: Sm90BwdTiles, params, record) -> None:
+    smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
+    dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, tiles)
+    width = max(x.d, x.dv)
+    if x.nk:
+        fn = _compile.get_function(dkdv_name, smem)
+        grid = (int(record["num_n_blocks"]) * x.batch_size, -(-width // tiles.dkdv_dcol))
+        fn(grid, (tiles.threads,), (params,), shared_mem=smem)
+    if x.nq:
+        fn = _compile.get_function(dq_name, smem)
+        grid = (int(record["num_m_blocks"]) * x.batch_size, -(-width // tiles.dq_dcol))
+        fn(grid, (tiles.threads,), (params,), shared_mem=smem)

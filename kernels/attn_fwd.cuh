@@ -16,6 +16,32 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
     return n;
 }
 
+// Writes a warp's rows of out (acc, already divided by l) and lse. Rows past nq
+// and columns past dv are not written; lse comes from the first column block.
+template <class T, int M_TILES, int D_TILES>
+__device__ __forceinline__ void store_output(const AttnParams& p, u32 batch, int m0, int col0, int warp_row0,
+                                             const float (&acc)[M_TILES][D_TILES][4], const float (&lse)[M_TILES][2]) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int nq = int(p.nq), dv = int(p.dv) - col0;
+    auto* g_out = static_cast<typename T::storage*>(p.out) + (index_t(batch) * p.nq + m0) * p.dv + col0;
+    float* g_lse = p.lse + index_t(batch) * p.nq + m0;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp_row0 + mt * 16 + g + 8 * h;
+            if (m0 + row >= nq) continue;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt) {
+                const int col = dt * 8 + 2 * t;
+                if (col < dv)
+                    Store<T>::pair(g_out + index_t(row) * p.dv + col, saturate<T>(acc[mt][dt][2 * h]),
+                                   saturate<T>(acc[mt][dt][2 * h + 1]));
+            }
+            if (t == 0 && col0 == 0) g_lse[row] = lse[mt][h];
+        }
+}
+
 template <class T, int HEAD_DIM, int DV_BLOCK, int BLOCK_M, int BLOCK_N, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd(const AttnParams p) {
@@ -35,7 +61,6 @@ attn_fwd(const AttnParams p) {
     const int col0 = blockIdx.y * DV_BLOCK;   // first output column of this block
     const int nq = int(p.nq), d = int(p.d), dv = int(p.dv) - col0;
     const int warp_row0 = (threadIdx.x / 32) * 16 * M_TILES;   // first row of this warp in the block
-    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 
     index_t q_off, k_off, v_off;
     p.batch_offsets(batch, q_off, k_off, v_off);
@@ -86,7 +111,7 @@ attn_fwd(const AttnParams p) {
         fill_zero(s);
         mma_rows_rows<T, QTile, KTile, HEAD_DIM, Cfg::QK_UNROLL>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
 
-        // p = exp2(s * scale_log2 - base), with m, l and acc brought up to date;
+        // p = exp2((s - m) * scale_log2 - P_SHIFT), with m, l and acc brought up to date;
         // only blocks that cross the band's edge are masked
         const int n0 = nb * BLOCK_N;
         if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) {
@@ -101,26 +126,9 @@ attn_fwd(const AttnParams p) {
         __syncthreads();         // the stage just read is the next one refilled
     }
 
-    // out = acc / l, lse = m + log l; rows past nq and columns past dv are not written
     float lse[M_TILES][2];
     softmax.finish(acc, lse, scale_log2);
-    Storage* g_out = static_cast<Storage*>(p.out) + (index_t(batch) * p.nq + m0) * p.dv + col0;
-    float* g_lse = p.lse + index_t(batch) * p.nq + m0;
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = warp_row0 + mt * 16 + g + 8 * h;
-            if (m0 + row >= nq) continue;
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt) {
-                const int col = dt * 8 + 2 * t;
-                if (col < dv)
-                    Store<T>::pair(g_out + index_t(row) * p.dv + col, saturate<T>(acc[mt][dt][2 * h]),
-                                   saturate<T>(acc[mt][dt][2 * h + 1]));
-            }
-            if (t == 0 && blockIdx.y == 0) g_lse[row] = lse[mt][h];
-        }
+    store_output<T>(p, batch, m0, col0, warp_row0, acc, lse);
 }
 
 }  // namespace cuflash

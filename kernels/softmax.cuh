@@ -36,10 +36,12 @@ struct OnlineSoftmax {
     // s: raw scores q.k of one key block; replaced by p. MASKED: s holds -inf
     // where the band excludes a key; those become p = 0 whatever the sign of
     // the scale. An unmasked block has only finite scores and skips that test.
-    // acc: the output accumulator, rescaled to the new m.
-    template <bool MASKED, int N_TILES, int D_TILES>
-    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4],
-                                           float scale_log2) {
+    // alpha: the factor that brings each row's earlier sums to the new m; l is
+    // rescaled here, the output accumulator by rescale() (which may wait for
+    // products still in flight).
+    template <bool MASKED, int N_TILES>
+    __device__ __forceinline__ void probabilities(float (&s)[M_TILES][N_TILES][4], float scale_log2,
+                                                  float (&alpha)[M_TILES][2]) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -67,7 +69,7 @@ struct OnlineSoftmax {
                 }
                 const float base = base_of(m_new);
                 // a row that saw no key before this block has acc = l = 0
-                const float alpha = is_inf(m_old) ? 0.f : exp2_p<T>((m_old - base) * scale_log2);
+                alpha[mt][h] = is_inf(m_old) ? 0.f : exp2_p<T>((m_old - base) * scale_log2);
                 m[mt][h] = m_new;
                 float sum = 0.f;
 #pragma unroll
@@ -79,13 +81,27 @@ struct OnlineSoftmax {
                         s[mt][nt][e] = MASKED && x == -CUFLASH_INF ? 0.f : p;
                         sum += s[mt][nt][e];
                     }
-                l[mt][h] = l[mt][h] * alpha + sum;
-#pragma unroll
-                for (int dt = 0; dt < D_TILES; ++dt) {
-                    acc[mt][dt][2 * h] *= alpha;
-                    acc[mt][dt][2 * h + 1] *= alpha;
-                }
+                l[mt][h] = l[mt][h] * alpha[mt][h] + sum;
             }
+    }
+
+    template <int D_TILES>
+    __device__ __forceinline__ static void rescale(float (&acc)[M_TILES][D_TILES][4], const float (&alpha)[M_TILES][2]) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[mt][e >> 1];
+    }
+
+    // Both steps at once, for products that have completed.
+    template <bool MASKED, int N_TILES, int D_TILES>
+    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4],
+                                           float scale_log2) {
+        float alpha[M_TILES][2];
+        probabilities<MASKED>(s, scale_log2, alpha);
+        rescale(acc, alpha);
     }
 
     // out = acc / l; lse = ln(sum exp(scale * score)) = (m * scale_log2 + P_SHIFT + log2 l) * ln 2.

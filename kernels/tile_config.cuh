@@ -64,4 +64,45 @@ struct BwdConfig {
     static_assert(STEP % 16 == 0 && HEAD_DIM % 16 == 0 && DCOL % 16 == 0, "MMA steps are 16 wide");
 };
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper forward: WARPGROUPS warpgroups of 64 query rows each; K and V blocks of
+// BLOCK_N keys. Tiles are 128-byte swizzled panels (wgmma.cuh), so the head dim
+// is a multiple of 64; the block reserves 1024 bytes to align them.
+template <class T, int HEAD_DIM_, int BLOCK_N_, int WARPGROUPS_, int STAGES_>
+struct Sm90FwdConfig {
+    using Storage = typename T::storage;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int WARPGROUPS = WARPGROUPS_;
+    static constexpr int BLOCK_M = 64 * WARPGROUPS;
+    static constexpr int THREADS = 128 * WARPGROUPS;
+    static constexpr int STAGES = STAGES_;   // K and V blocks in flight
+    // A third stage measured no faster (bench/NOTES.md) and is not verified.
+    static_assert(STAGES == 2, "the forward runs two K/V stages");
+
+    using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
+    using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
+    using VTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
+    static constexpr int SMEM_BYTES = 1024 + QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES);
+};
+
+// Hopper backward: each warpgroup owns 64 resident rows; the other side streams
+// in steps of STEP rows. The gradient columns per block (DCOL) change no buffer.
+template <class T, int HEAD_DIM_, int STEP_, int WARPGROUPS_, int STAGES_>
+struct Sm90BwdConfig {
+    using Storage = typename T::storage;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int STEP = STEP_;
+    static constexpr int RESIDENT = 64 * WARPGROUPS_;
+    static constexpr int THREADS = 128 * WARPGROUPS_;
+    static constexpr int STAGES = STAGES_;
+    static_assert(STAGES >= 2, "a step reads one stage while the next one fills");
+
+    using ResidentTile = PanelTile<Storage, RESIDENT, HEAD_DIM>;
+    using StepTile = PanelTile<Storage, STEP, HEAD_DIM>;
+    // [2 resident tiles][2 step tiles x STAGES][2 float rows of STEP x STAGES], after 1024 for alignment
+    static constexpr int SMEM_BYTES = 1024 + 2 * ResidentTile::BYTES + 2 * STAGES * StepTile::BYTES + 2 * STAGES * STEP * 4;
+};
+#endif
+
 }  // namespace cuflash

@@ -30,6 +30,20 @@ def test_specializations_cover_every_dtype_and_bucket():
             assert _dispatch.bwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
 
 
+def test_hopper_specializations_fit_shared_memory():
+    names = _dispatch.all_specializations("sm_90a")
+    assert set(_dispatch.all_specializations()) < set(names)
+    for dt in ("float16", "bfloat16"):
+        for hd in _dispatch.HEAD_DIM_BUCKETS:
+            fwd, bwd = _dispatch.sm90_fwd_tiles(dt, hd), _dispatch.sm90_bwd_tiles(dt, hd)
+            assert (fwd is None) == (bwd is None) == (hd % 64 != 0 or hd == 192)
+            if fwd is not None:
+                assert _dispatch.sm90_fwd_name(dt, fwd) in names
+                assert set(_dispatch.sm90_bwd_names(dt, bwd)) <= set(names)
+                assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
+    assert _dispatch.sm90_fwd_tiles("float32", 64) is None
+
+
 def test_head_dim_bucket():
     assert _dispatch.head_dim_bucket(0, 0) == 32
     assert _dispatch.head_dim_bucket(72, 8) == 96

@@ -11,7 +11,7 @@ Usage (from any directory, with cuflash and its ``cuda12`` extra installed)::
 No GPU is needed: NVRTC (from the ``nvidia-cuda-nvrtc-cu12`` wheel, reached through
 CuPy's ``cupy_backends.cuda.libs.nvrtc``) compiles straight to a cubin. The source is
 ``cuflash._compile.kernel_source()``, the options are ``cuflash._compile.nvrtc_options(arch)``
-plus ``-Xptxas=-v``, and the kernels are ``cuflash._dispatch.all_specializations()``.
+plus ``-Xptxas=-v``, and the kernels are ``cuflash._dispatch.all_specializations(arch)``.
 Each (arch, name expression) pair is a separate NVRTC program, compiled in a process pool.
 
 A kernel fails when
@@ -312,14 +312,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     _compile, _dispatch = _load_project()
 
-    names = list(dict.fromkeys(_dispatch.all_specializations()))
-    if not names:
+    names_by_arch = {arch: list(dict.fromkeys(_dispatch.all_specializations(arch)))
+                     for arch in args.arch}
+    if not all(names_by_arch.values()):
         print("check_kernels: FAIL: cuflash._dispatch.all_specializations() is empty",
               file=sys.stderr)
         return 1
     if args.filter:
-        names = [n for n in names if args.filter in n]
-        if not names:
+        names_by_arch = {arch: [n for n in names if args.filter in n]
+                         for arch, names in names_by_arch.items()}
+        if not any(names_by_arch.values()):
             print(f"check_kernels: FAIL: no specialization matches --filter {args.filter!r}",
                   file=sys.stderr)
             return 1
@@ -332,10 +334,11 @@ def main(argv=None) -> int:
             opts += (PTXAS_VERBOSE,)
         options[arch] = opts
 
-    tasks = [(arch, name) for arch in args.arch for name in names]
+    tasks = [(arch, name) for arch in args.arch for name in names_by_arch[arch]]
     jobs = min(args.jobs, len(tasks))
-    print(f"check_kernels: {len(names)} specializations x {len(args.arch)} archs "
-          f"({', '.join(args.arch)}) = {len(tasks)} programs, {jobs} jobs", file=sys.stderr)
+    counts = ", ".join(f"{len(names_by_arch[a])} for {a}" for a in args.arch)
+    print(f"check_kernels: specializations {counts} = {len(tasks)} programs, {jobs} jobs",
+          file=sys.stderr)
     for arch in args.arch:
         print(f"check_kernels: options for {arch}: {' '.join(options[arch])}", file=sys.stderr)
 

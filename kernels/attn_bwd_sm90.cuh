@@ -1,0 +1,275 @@
+// attn_bwd_sm90.cuh: the backward's dk/dv and dq passes on Hopper (sm_90a).
+//
+// The algorithm and the split into passes are attn_bwd's (deterministic: each
+// gradient element is written by one block). Each warpgroup owns 64 resident
+// rows (keys for dk/dv, queries for dq) and the other side streams through
+// STAGES cp.async buffers in steps of STEP rows. The score products
+// (k q^T, v dout^T; q k^T, dout v^T) read both operands from shared memory;
+// the gradient products (p^T dout, ds^T q; ds k) take p or ds from registers.
+// The two score products of a step are issued together, and the first
+// gradient product runs while the second score tile is turned into ds.
+#pragma once
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+namespace cuflash {
+
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
+attn_bwd_dkdv_sm90(const BwdParams p) {
+    using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    constexpr int S_TILES = STEP / 8, D_TILES = DCOL / 8, STEP_BYTES = STile::BYTES;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
+    const u32 num_n_blocks = u32(p.num_n_blocks);
+    const u32 batch = blockIdx.x / num_n_blocks;
+    const int n0 = int(blockIdx.x % num_n_blocks) * Cfg::RESIDENT;
+    const int col0 = blockIdx.y * DCOL;
+    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int group_row0 = (threadIdx.x / 128) * 64;
+    const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;
+    const int t = threadIdx.x % 4;
+
+    index_t q_off, k_off, v_off;
+    p.batch_offsets(batch, q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;
+    const Storage* g_do = static_cast<const Storage*>(p.dout) + index_t(batch) * p.nq * p.dv;
+    const float* g_lse = p.lse + index_t(batch) * p.nq;
+    const float* g_delta = p.delta + index_t(batch) * p.nq;
+
+    // [K][V][Q stage 0, 1][dO stage 0, 1][lse2 stage 0, 1][delta stage 0, 1], tiles 1024-aligned
+    const u32 base = (smem_address(smem) + 1023u) & ~1023u;
+    const u32 s_k = base;
+    const u32 s_v = s_k + RTile::BYTES;
+    const u32 s_q = s_v + RTile::BYTES;
+    const u32 s_do = s_q + STAGES * STEP_BYTES;
+    float* s_lse2 = reinterpret_cast<float*>(smem + (base - smem_address(smem)) + 2 * RTile::BYTES +
+                                             2 * STAGES * STEP_BYTES);
+    float* s_delta = s_lse2 + STAGES * STEP;
+
+    const Band band(p);
+    const int n_end = min(n0 + Cfg::RESIDENT, nk);
+    int m_lo, m_hi;
+    band.row_range(n0, n_end, nq, m_lo, m_hi);
+    const int mb_begin = m_lo / STEP;
+    const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
+
+    auto load_step = [&](int mb, int stage) {
+        const int m0 = mb * STEP;
+        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
+                                             p.q_row_stride, nq - m0, d);
+        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
+        for (int i = threadIdx.x; i < STEP; i += Cfg::THREADS) {
+            s_lse2[stage * STEP + i] = lse_log2(g_lse, m0 + i, nq);
+            s_delta[stage * STEP + i] = m0 + i < nq ? g_delta[m0 + i] : 0.f;
+        }
+    };
+
+    float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
+    fill_zero(acc_dk);
+    fill_zero(acc_dv);
+    const float scale_log2 = float(p.scale_log2);
+    const u32 panel0 = u32(col0 / 64);   // first gradient column's panel in the step tiles
+
+    if (mb_begin < mb_end) {
+        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(n0) * p.k_row_stride;
+        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
+        load_tile_async<RTile, Cfg::THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
+        load_tile_async<RTile, Cfg::THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
+            cp_async_commit();
+        }
+    }
+    for (int mb = mb_begin; mb < mb_end; ++mb) {
+        const int stage = int(u32(mb - mb_begin) % STAGES);
+        cp_async_wait<STAGES - 2>();
+        fence_async_shared();
+        __syncthreads();         // step mb has landed and step mb-1 is done everywhere
+        if (mb + STAGES - 1 < mb_end) load_step(mb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
+        cp_async_commit();
+        const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
+        const float* lse2 = s_lse2 + stage * STEP;
+        const float* delta = s_delta + stage * STEP;
+        const int m0 = mb * STEP;
+
+        // s^T = k q^T and dp^T = v dout^T (rows: this warpgroup's keys; columns: the step's queries)
+        float st[1][S_TILES][4], dpt[1][S_TILES][4];
+        wgmma_fence();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(st[0], s_k + group_row0 * 128, q_st);
+        wgmma_commit();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dpt[0], s_v + group_row0 * 128, do_st);
+        wgmma_commit();
+        wgmma_wait<1>();
+        pin_registers(st);
+
+        // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
+        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
+            apply_band<true>(st, band, n0 + warp_row0, m0);
+            probabilities_by_col<T, true>(st, scale_log2, lse2);
+        } else {
+            probabilities_by_col<T, false>(st, scale_log2, lse2);
+        }
+
+        // dv += p^T dout, running while ds^T is formed
+        u32 pa[S_TILES / 2][4];
+        to_a_fragments<T>(pa, st);
+        pin_registers(acc_dv);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, DCOL>(acc_dv[0], pa, do_st + panel0 * STile::PANEL_BYTES);
+        wgmma_commit();
+        wgmma_wait<1>();
+        pin_registers(dpt);
+
+        // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+        u32 dsa[S_TILES / 2][4];
+        to_a_fragments<T>(dsa, dpt);
+        pin_registers(acc_dk);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, DCOL>(acc_dk[0], dsa, q_st + panel0 * STile::PANEL_BYTES);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_dv);
+        pin_registers(acc_dk);
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    Storage* g_dk = static_cast<Storage*>(p.dk) + (index_t(batch) * p.nk + n0) * p.d;
+    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + (index_t(batch) * p.nk + n0) * p.dv;
+    store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, col0, d);
+    store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, col0, dv);
+}
+
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
+attn_bwd_dq_sm90(const BwdParams p) {
+    using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    constexpr int S_TILES = STEP / 8, D_TILES = DCOL / 8, STEP_BYTES = STile::BYTES;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
+    const u32 num_m_blocks = u32(p.num_m_blocks);
+    const u32 batch = blockIdx.x / num_m_blocks;
+    const int m0 = int(num_m_blocks - 1 - blockIdx.x % num_m_blocks) * Cfg::RESIDENT;   // longest first
+    const int col0 = blockIdx.y * DCOL;
+    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int group_row0 = (threadIdx.x / 128) * 64;
+    const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;
+    const int g = (threadIdx.x % 32) / 4;
+
+    index_t q_off, k_off, v_off;
+    p.batch_offsets(batch, q_off, k_off, v_off);
+    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off;
+    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off;
+
+    // [Q][dO][K stage 0, 1][V stage 0, 1], tiles 1024-aligned
+    const u32 s_q = (smem_address(smem) + 1023u) & ~1023u;
+    const u32 s_do = s_q + RTile::BYTES;
+    const u32 s_k = s_do + RTile::BYTES;
+    const u32 s_v = s_k + STAGES * STEP_BYTES;
+
+    // lse2 and delta of the two rows each thread owns
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = m0 + warp_row0 + g + 8 * h;
+        lse2[h] = lse_log2(p.lse + index_t(batch) * p.nq, row, nq);
+        delta[h] = row < nq ? p.delta[index_t(batch) * p.nq + row] : 0.f;
+    }
+
+    const Band band(p);
+    const int m_end = min(m0 + Cfg::RESIDENT, nq);
+    int n_lo, n_hi;
+    band.key_range(m0, m_end, n_lo, n_hi);
+    const int nb_begin = n_lo / STEP;
+    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, STEP) : nb_begin;
+
+    auto load_step = [&](int nb, int stage) {
+        const int n0 = nb * STEP;
+        load_tile_async<STile, Cfg::THREADS>(s_k + stage * STEP_BYTES, g_k + index_t(n0) * p.k_row_stride,
+                                             p.k_row_stride, nk - n0, d);
+        load_tile_async<STile, Cfg::THREADS>(s_v + stage * STEP_BYTES, g_v + index_t(n0) * p.v_row_stride,
+                                             p.v_row_stride, nk - n0, dv);
+    };
+
+    float acc_dq[1][D_TILES][4];
+    fill_zero(acc_dq);
+    const float scale_log2 = float(p.scale_log2);
+    const u32 panel0 = u32(col0 / 64);
+
+    if (nb_begin < nb_end) {
+        const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(m0) * p.q_row_stride;
+        const Storage* g_do = static_cast<const Storage*>(p.dout) + (index_t(batch) * p.nq + m0) * p.dv;
+        load_tile_async<RTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
+        load_tile_async<RTile, Cfg::THREADS>(s_do, g_do, p.dv, nq - m0, dv);
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (nb_begin + i < nb_end) load_step(nb_begin + i, i);
+            cp_async_commit();
+        }
+    }
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+        const int stage = int(u32(nb - nb_begin) % STAGES);
+        cp_async_wait<STAGES - 2>();
+        fence_async_shared();
+        __syncthreads();
+        if (nb + STAGES - 1 < nb_end) load_step(nb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
+        cp_async_commit();
+        const u32 k_st = s_k + stage * STEP_BYTES, v_st = s_v + stage * STEP_BYTES;
+        const int n0 = nb * STEP;
+
+        // s = q k^T and dp = dout v^T
+        float s[1][S_TILES][4], dp[1][S_TILES][4];
+        wgmma_fence();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], s_q + group_row0 * 128, k_st);
+        wgmma_commit();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dp[0], s_do + group_row0 * 128, v_st);
+        wgmma_commit();
+        wgmma_wait<1>();
+        pin_registers(s);
+
+        // p = exp2(s * scale_log2 - lse2), while dp finishes
+        if (band.cuts(m0, m_end, n0, n0 + STEP)) {
+            apply_band(s, band, m0 + warp_row0, n0);
+            probabilities_by_row<T, true>(s, scale_log2, lse2);
+        } else {
+            probabilities_by_row<T, false>(s, scale_log2, lse2);
+        }
+        wgmma_wait<0>();
+        pin_registers(dp);
+
+        // ds = p (dp - delta); dq += ds k (scaled at the end)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
+        u32 dsa[S_TILES / 2][4];
+        to_a_fragments<T>(dsa, dp);
+        pin_registers(acc_dq);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, DCOL>(acc_dq[0], dsa, k_st + panel0 * STile::PANEL_BYTES);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_dq);
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    Storage* g_dq = static_cast<Storage*>(p.dq) + (index_t(batch) * p.nq + m0) * p.d;
+    store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, col0, d);
+}
+
+}  // namespace cuflash
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
