@@ -55,7 +55,7 @@ def fwd_tiles(dtype_name: str, head_dim: int) -> FwdTiles:
     so at head dim 256 its output columns are split over four blocks.
     """
     if dtype_name == "float32":
-        block_n = {32: 64, 64: 64, 96: 32}.get(head_dim, 16)
+        block_n = {32: 64, 64: 32, 96: 32}.get(head_dim, 16)
         dv_block = 64 if head_dim == 256 else head_dim
         return FwdTiles(head_dim, dv_block, block_m=64, block_n=block_n, warps=4)
     # two 16-row tiles per warp halve the shared-memory reads of K and V per product

@@ -91,7 +91,7 @@ attn_fwd(const AttnParams p) {
 
     float acc[M_TILES][D_TILES][4];
     fill_zero(acc);
-    OnlineSoftmax<T, M_TILES> softmax;
+    OnlineSoftmax<T, M_TILES> softmax(p.scale_log2);
     const float scale_log2 = float(p.scale_log2);
 
     if (nb_begin < nb_end) {

@@ -71,7 +71,7 @@ attn_fwd_sm90(const AttnParams p) {
 
     float acc[1][D_TILES][4];
     fill_zero(acc);
-    OnlineSoftmax<T, 1> softmax;
+    OnlineSoftmax<T, 1> softmax(p.scale_log2);
     const float scale_log2 = float(p.scale_log2);
     u32 pa[N_TILES / 2][4];   // p of the previous block, as wgmma A fragments
 

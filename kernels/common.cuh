@@ -27,9 +27,12 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 // rounded at that scale: 3e-6 relative, far below bfloat16's precision but not
 // float32's. float16 values are far from overflow, and its P needs all of
 // float16's range.
-struct f16  { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 65504.f;         static constexpr int P_SHIFT = 0; };
-struct bf16 { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 3.38953139e38f;  static constexpr int P_SHIFT = 32; };
-struct f32  { using storage = float; static constexpr int K_UNROLL = 2;  static constexpr float MAX_FINITE = 3.40282347e38f;  static constexpr int P_SHIFT = 0; };
+// SPLIT_SCALE: float32 multiplies score differences by scale_log2 in two parts
+// (its float32 rounding and the remainder), so that a difference of tens does
+// not carry scale_log2's rounding error into the exponent at float32 precision.
+struct f16  { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 65504.f;         static constexpr int P_SHIFT = 0;  static constexpr bool SPLIT_SCALE = false; };
+struct bf16 { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 3.38953139e38f;  static constexpr int P_SHIFT = 32; static constexpr bool SPLIT_SCALE = false; };
+struct f32  { using storage = float; static constexpr int K_UNROLL = 2;  static constexpr float MAX_FINITE = 3.40282347e38f;  static constexpr int P_SHIFT = 0;  static constexpr bool SPLIT_SCALE = true; };
 
 // 2^x for softmax probabilities. 16-bit types take the hardware's approximate
 // exp2 (2 ulp, subnormal results flushed to 0: p below 2^-126 is far under their

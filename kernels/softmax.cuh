@@ -21,8 +21,10 @@ struct OnlineSoftmax {
     static constexpr float P_SHIFT = float(T::P_SHIFT);
     float m[M_TILES][2];
     float l[M_TILES][2];
+    float scale_lo;   // scale_log2 - float(scale_log2), used where T::SPLIT_SCALE
 
-    __device__ __forceinline__ OnlineSoftmax() {
+    __device__ __forceinline__ explicit OnlineSoftmax(double scale_log2)
+        : scale_lo(float(scale_log2 - double(float(scale_log2)))) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -32,6 +34,13 @@ struct OnlineSoftmax {
     // m is infinite only for a row that has seen no key; it then subtracts 0,
     // so that its masked scores give exp2(-inf) = 0 rather than NaN.
     __device__ __forceinline__ static float base_of(float m) { return is_inf(m) ? 0.f : m; }
+
+    // diff * scale_log2 - SHIFT: the exponent of p (SHIFT = P_SHIFT) or of alpha (0)
+    template <int SHIFT>
+    __device__ __forceinline__ float exponent(float diff, float scale_log2) const {
+        return T::SPLIT_SCALE ? fmaf(diff, scale_log2, fmaf(diff, scale_lo, -float(SHIFT)))
+                              : fmaf(diff, scale_log2, -float(SHIFT));
+    }
 
     // s: raw scores q.k of one key block; replaced by p. MASKED: s holds -inf
     // where the band excludes a key; those become p = 0 whatever the sign of
@@ -69,7 +78,7 @@ struct OnlineSoftmax {
                 }
                 const float base = base_of(m_new);
                 // a row that saw no key before this block has acc = l = 0
-                alpha[mt][h] = is_inf(m_old) ? 0.f : exp2_p<T>((m_old - base) * scale_log2);
+                alpha[mt][h] = is_inf(m_old) ? 0.f : exp2_p<T>(exponent<0>(m_old - base, scale_log2));
                 m[mt][h] = m_new;
                 float sum = 0.f;
 #pragma unroll
@@ -77,7 +86,7 @@ struct OnlineSoftmax {
 #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
                         const float x = s[mt][nt][e];
-                        const float p = exp2_p<T>(fmaf(x - base, scale_log2, -P_SHIFT));
+                        const float p = exp2_p<T>(exponent<T::P_SHIFT>(x - base, scale_log2));
                         s[mt][nt][e] = MASKED && x == -CUFLASH_INF ? 0.f : p;
                         sum += s[mt][nt][e];
                     }
