@@ -1,7 +1,8 @@
 """Times candidate tile shapes of the forward and backward kernels, to choose the table in
 cuflash/_dispatch.py by measurement.
 
-    python bench/tune_tiles.py [--dtype float16] [--seqlen 4096] [--head-dims 64 128 256]
+    python bench/tune_tiles.py [--dtype float16] [--seqlen 4096 ...] [--head-dims 64 128 256]
+                               [--direction fwd bwd]
 
 On Hopper only the sm_90a kernels' candidates run. Each candidate is a tile shape that compiles without register spills (tools/check_kernels.py
 checks the ones the table picks). Problem: batch = 16384 / N, heads = 2048 / D, as in the
@@ -32,21 +33,18 @@ FWD_CANDIDATES = {
     256: [(64, 32, 4), (64, 64, 4)],
 }
 # (block_n, warpgroups, stages, min_blocks) of the Hopper forward (sm_90a only)
+# (one warpgroup per block and 2-3 blocks per SM: the blocks' prologues and softmaxes
+# overlap each other's products without a barrier between them)
 SM90_FWD_CANDIDATES = {
-    64: [(64, 2, 2, 1), (128, 2, 2, 1)],
-    128: [(128, 2, 2, 1), (64, 2, 2, 1)],
+    64: [(64, 2, 2, 1), (64, 1, 2, 2), (64, 1, 2, 3), (128, 1, 2, 2)],
+    128: [(128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
     256: [(64, 2, 2, 1)],
 }
-# (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks) of the Hopper backward
+# (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv]) of the Hopper backward
 SM90_BWD_CANDIDATES = {
-    64: [(64, 64, 64, 2, 2, 1), (64, 64, 64, 2, 3, 1)],
+    64: [(64, 64, 64, 2, 2, 1), (64, 64, 64, 1, 2, 2)],
     128: [(128, 128, 64, 2, 2, 1), (128, 128, 64, 2, 3, 1)],
-    256: [(128, 128, 32, 2, 2, 1), (128, 128, 32, 2, 3, 1)],
-}
-BWD_CANDIDATES = {
-    64: [(64, 64, 64, 2, 1), (64, 64, 32, 2, 1)],
-    128: [(128, 128, 64, 2, 1)],
-    256: [(128, 128, 32, 2, 1)],
+    256: [(128, 128, 32, 2, 3, 1), (128, 256, 32, 2, 3, 1), (256, 256, 32, 2, 3, 1, True)],
 }
 BWD_CANDIDATES = {
     64: [(64, 64, 4), (64, 32, 4)],
@@ -59,7 +57,7 @@ def fixed(tiles, dtype_name, head_dim):
     return tiles
 
 
-def flash_attention_2(q, k, v, do, causal, flops):
+def flash_attention_2(q, k, v, do, causal, flops, directions):
     """The rival in the same process, to read the candidates' numbers against (torch SDPA's
     FlashAttention-2 backend; skipped without torch)."""
     try:
@@ -70,58 +68,58 @@ def flash_attention_2(q, k, v, do, causal, flops):
         return
     tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ms = median_ms(lambda: sdpa(tq, tk, tv, is_causal=causal), [()], 20)
-        print(f"fwd D={q.shape[-1]} causal={causal:d} FlashAttention-2:               {flops / ms / 1e9:6.1f}")
-        tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
-        out = sdpa(tq, tk, tv, is_causal=causal)
-        ms = median_ms(lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True), [()], 20)
-        print(f"bwd D={q.shape[-1]} causal={causal:d} FlashAttention-2:             {2.5 * flops / ms / 1e9:6.1f}")
+        where = f"N={q.shape[-2]} D={q.shape[-1]} causal={causal:d} FlashAttention-2"
+        if "fwd" in directions:
+            ms = median_ms(lambda: sdpa(tq, tk, tv, is_causal=causal), [()], 20)
+            print(f"fwd {where}: {flops / ms / 1e9:6.1f}")
+        if "bwd" in directions:
+            tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+            out = sdpa(tq, tk, tv, is_causal=causal)
+            ms = median_ms(lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True), [()], 20)
+            print(f"bwd {where}: {2.5 * flops / ms / 1e9:6.1f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--seqlen", nargs="+", type=int, default=[4096])
     ap.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    ap.add_argument("--direction", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     args = ap.parse_args()
-    n = args.seqlen
-    fwd_default, bwd_default = _dispatch.fwd_tiles, _dispatch.bwd_tiles
-    sm90_default, sm90_bwd_default = _dispatch.sm90_fwd_tiles, _dispatch.sm90_bwd_tiles
-    hopper = _compile.current_arch() == "sm_90a"
-    for d in args.head_dims:
-        b, h = 16384 // n, 2048 // d
-        rng = cupy.random.default_rng(d)
-        q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(args.dtype) for _ in range(4))
-        for causal in (False, True):
-            flops = 4 * b * h * n * n * d / (2 if causal else 1)
-            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-            flash_attention_2(q, k, v, do, causal, flops)
-            forward = functools.partial(cuflash.attention, q, k, v, causal=causal)
-            backward = functools.partial(cuflash.attention_backward, do, q, k, v, out, lse, causal=causal)
-            for cand in SM90_FWD_CANDIDATES[d] if hopper else ():
-                _dispatch.sm90_fwd_tiles = functools.partial(fixed, Sm90FwdTiles(d, *cand))
-                ms = median_ms(forward, [()], 20)
-                print(f"fwd D={d} causal={causal:d} sm90 (block_n, warpgroups, stages, min_blocks)={cand}: "
-                      f"{flops / ms / 1e9:6.1f}")
-            _dispatch.sm90_fwd_tiles = functools.partial(fixed, None)
-            for bm, bn, w in () if hopper else FWD_CANDIDATES[d]:
-                _dispatch.fwd_tiles = functools.partial(fixed, FwdTiles(d, d, bm, bn, w))
-                ms = median_ms(forward, [()], 20)
-                print(f"fwd D={d} causal={causal:d} block_m={bm:3d} block_n={bn:3d} warps={w}: {flops / ms / 1e9:6.1f}")
-            _dispatch.fwd_tiles, _dispatch.sm90_fwd_tiles = fwd_default, sm90_default
-            for cand in SM90_BWD_CANDIDATES[d] if hopper else ():
-                _dispatch.sm90_bwd_tiles = functools.partial(fixed, Sm90BwdTiles(d, *cand))
-                ms = median_ms(backward, [()], 20)
-                print(f"bwd D={d} causal={causal:d} sm90 (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks)={cand}: "
-                      f"{2.5 * flops / ms / 1e9:6.1f}", flush=True)
-            _dispatch.sm90_bwd_tiles = sm90_bwd_default
-            for dcol, step, w in () if hopper else BWD_CANDIDATES[d]:
-                _dispatch.bwd_tiles = functools.partial(fixed, BwdTiles(d, dcol, step, w))
-                ms = median_ms(backward, [()], 20)
-                print(f"bwd D={d} causal={causal:d} dcol={dcol:3d} step={step:3d} warps={w}: "
-                      f"{2.5 * flops / ms / 1e9:6.1f}", flush=True)
-            _dispatch.bwd_tiles = bwd_default
+    for n in args.seqlen:
+        for d in args.head_dims:
+            tune(args.dtype, n, d, args.direction)
 
+
+def tune(dtype, n, d, directions):
+    """Prints TFLOP/s of each candidate (and of FlashAttention-2) at one (N, D)."""
+    hopper = _compile.current_arch() == "sm_90a"
+    b, h = 16384 // n, 2048 // d
+    rng = cupy.random.default_rng(d)
+    q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(dtype) for _ in range(4))
+    for causal in (False, True):
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        flash_attention_2(q, k, v, do, causal, flops, directions)
+        runs = {
+            "fwd": (functools.partial(cuflash.attention, q, k, v, causal=causal), flops),
+            "bwd": (functools.partial(cuflash.attention_backward, do, q, k, v, out, lse, causal=causal), 2.5 * flops),
+        }
+        if hopper:
+            table = {"fwd": ("sm90_fwd_tiles", Sm90FwdTiles, SM90_FWD_CANDIDATES),
+                     "bwd": ("sm90_bwd_tiles", Sm90BwdTiles, SM90_BWD_CANDIDATES)}
+        else:
+            table = {"fwd": ("fwd_tiles", lambda d, *c: FwdTiles(d, d, *c), FWD_CANDIDATES),
+                     "bwd": ("bwd_tiles", BwdTiles, BWD_CANDIDATES)}
+        for direction in directions:
+            attr, make, candidates = table[direction]
+            fn, work = runs[direction]
+            default = getattr(_dispatch, attr)
+            for cand in candidates[d]:
+                setattr(_dispatch, attr, functools.partial(fixed, make(d, *cand)))
+                ms = median_ms(fn, [()], 20)
+                print(f"{direction} N={n} D={d} causal={causal:d} {cand}: {work / ms / 1e9:6.1f}", flush=True)
+            setattr(_dispatch, attr, default)
 
 if __name__ == "__main__":
     main()

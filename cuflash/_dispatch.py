@@ -160,10 +160,24 @@ class Sm90BwdTiles:
     warpgroups: int  # each owns 64 resident rows
     stages: int = 2  # steps in flight
     min_blocks: int = 1  # blocks per SM the registers are budgeted for
+    # dk/dv by attn_bwd_dkdv_wide_sm90: both warpgroups on the same 64 keys, one
+    # accumulating dv, the other dk, over all columns (dkdv_dcol = head_dim)
+    wide_dkdv: bool = False
 
     @property
     def resident(self) -> int:
         return 64 * self.warpgroups
+
+    @property
+    def dkdv_resident(self) -> int:
+        return 64 if self.wide_dkdv else self.resident
+
+    def dkdv_smem_bytes(self, itemsize: int) -> int:
+        if not self.wide_dkdv:
+            return self.smem_bytes(itemsize)
+        # Sm90BwdConfig with one warpgroup's rows, plus one step of p^T as float32
+        tiles = 2 * 64 + 2 * self.stages * self.step
+        return 1024 + tiles * self.head_dim * itemsize + 2 * self.stages * self.step * 4 + 64 * self.step * 4
 
     @property
     def threads(self) -> int:
@@ -178,14 +192,13 @@ class Sm90BwdTiles:
 def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket), or None (as sm90_fwd_tiles).
 
-    Gradient accumulators of 64 rows x 256 columns (two of them for dk/dv) leave too
-    few registers, so at head dim 256 both passes split their columns over two blocks."""
+    At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
+    two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other)."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
-    step = 32 if head_dim == 256 else 64
-    # a third stage helps only at head dim 256, where a step is 32 rows (bench/NOTES.md)
-    stages = 3 if head_dim == 256 else 2
-    return Sm90BwdTiles(head_dim, min(head_dim, 128), min(head_dim, 128), step, warpgroups=2, stages=stages)
+    if head_dim == 256:
+        return Sm90BwdTiles(256, 256, 256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
+    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles) -> tuple[str, str]:
@@ -193,10 +206,11 @@ def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles) -> tuple[str, str]:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
     rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}"
-    return (
-        f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>",
-        f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {rest}>",
-    )
+    if t.wide_dkdv:
+        dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}>"
+    else:
+        dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>"
+    return dkdv, f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {rest}>"
 
 
 def all_specializations(arch: str = "sm_80") -> list[str]:
@@ -246,7 +260,10 @@ def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
         delta_name = bwd_names(x.dtype_name, tiles)[0]
         _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (params,))
     if sm90 is not None:
-        _launch_backward_sm90(x, sm90, params, record)
+        dkdv_params = params
+        if sm90.dkdv_resident != sm90.resident:
+            dkdv_params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, sm90.dkdv_resident)
+        _launch_backward_sm90(x, sm90, params, record, dkdv_params)
         return
     smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
     _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
@@ -260,15 +277,17 @@ def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
         fn((int(record["num_m_blocks"]) * x.batch_size, col_blocks), threads, (params,), shared_mem=smem)
 
 
-def _launch_backward_sm90(x, tiles: Sm90BwdTiles, params, record) -> None:
-    smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
+def _launch_backward_sm90(x, tiles: Sm90BwdTiles, params, record, dkdv_params) -> None:
+    itemsize = ELEMENT_TYPES[x.dtype_name][1]
     dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, tiles)
     width = max(x.d, x.dv)
     if x.nk:
+        smem = tiles.dkdv_smem_bytes(itemsize)
         fn = _compile.get_function(dkdv_name, smem)
-        grid = (int(record["num_n_blocks"]) * x.batch_size, -(-width // tiles.dkdv_dcol))
-        fn(grid, (tiles.threads,), (params,), shared_mem=smem)
+        grid = (int(dkdv_params[0]["num_n_blocks"]) * x.batch_size, -(-width // tiles.dkdv_dcol))
+        fn(grid, (tiles.threads,), (dkdv_params,), shared_mem=smem)
     if x.nq:
+        smem = tiles.smem_bytes(itemsize)
         fn = _compile.get_function(dq_name, smem)
         grid = (int(record["num_m_blocks"]) * x.batch_size, -(-width // tiles.dq_dcol))
         fn(grid, (tiles.threads,), (params,), shared_mem=smem)

@@ -149,6 +149,146 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, col0, dv);
 }
 
+// dk and dv for 64 keys at head dims too wide for one warpgroup to hold both
+// accumulators (64 x 256 each). Both warpgroups own the same keys: warpgroup 0
+// forms p^T and accumulates dv, warpgroup 1 forms dp^T and accumulates dk, with
+// p^T passed through shared memory. Four products per step, as in
+// attn_bwd_dkdv_sm90, where a column split would recompute both score products.
+template <class T, int HEAD_DIM, int STEP, int STAGES>
+__global__ void __launch_bounds__(256, 1)
+attn_bwd_dkdv_wide_sm90(const BwdParams p) {
+    using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, 1, STAGES>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    constexpr int THREADS = 256, S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8, STEP_BYTES = STile::BYTES;
+    constexpr int EXCHANGE_FLOATS = 64 * STEP;   // one step's p^T, in fragment order
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES + 4 * EXCHANGE_FLOATS)) __trap();
+    const u32 num_n_blocks = u32(p.num_n_blocks);
+    const u32 batch = blockIdx.x / num_n_blocks;
+    const int n0 = int(blockIdx.x % num_n_blocks) * 64;
+    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int group = threadIdx.x / 128, rank = threadIdx.x % 128;   // rank within the warpgroup
+    const int warp_row0 = (rank / 32) * 16;
+    const int t = threadIdx.x % 4;
+
+    index_t q_off, k_off, v_off;
+    p.batch_offsets(batch, q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;
+    const Storage* g_do = static_cast<const Storage*>(p.dout) + index_t(batch) * p.nq * p.dv;
+    const float* g_lse = p.lse + index_t(batch) * p.nq;
+    const float* g_delta = p.delta + index_t(batch) * p.nq;
+
+    // [K][V][Q x STAGES][dO x STAGES][lse2 x STAGES][delta x STAGES][p^T exchange]
+    const u32 base = (smem_address(smem) + 1023u) & ~1023u;
+    const u32 s_k = base;
+    const u32 s_v = s_k + RTile::BYTES;
+    const u32 s_q = s_v + RTile::BYTES;
+    const u32 s_do = s_q + STAGES * STEP_BYTES;
+    float* s_lse2 = reinterpret_cast<float*>(smem + (base - smem_address(smem)) + 2 * RTile::BYTES +
+                                             2 * STAGES * STEP_BYTES);
+    float* s_delta = s_lse2 + STAGES * STEP;
+    float* s_exchange = s_delta + STAGES * STEP;
+
+    const Band band(p);
+    const int n_end = min(n0 + 64, nk);
+    int m_lo, m_hi;
+    band.row_range(n0, n_end, nq, m_lo, m_hi);
+    const int mb_begin = m_lo / STEP;
+    const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
+
+    auto load_step = [&](int mb, int stage) {
+        const int m0 = mb * STEP;
+        load_tile_async<STile, THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
+                                        p.q_row_stride, nq - m0, d);
+        load_tile_async<STile, THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
+        for (int i = threadIdx.x; i < STEP; i += THREADS) {
+            s_lse2[stage * STEP + i] = lse_log2(g_lse, m0 + i, nq);
+            s_delta[stage * STEP + i] = m0 + i < nq ? g_delta[m0 + i] : 0.f;
+        }
+    };
+
+    float acc[1][D_TILES][4];   // dv in warpgroup 0, dk in warpgroup 1
+    fill_zero(acc);
+    const float scale_log2 = float(p.scale_log2);
+
+    if (mb_begin < mb_end) {
+        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(n0) * p.k_row_stride;
+        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
+        load_tile_async<RTile, THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
+        load_tile_async<RTile, THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
+            cp_async_commit();
+        }
+    }
+    for (int mb = mb_begin; mb < mb_end; ++mb) {
+        const int stage = int(u32(mb - mb_begin) % STAGES);
+        cp_async_wait<STAGES - 2>();
+        fence_async_shared();
+        __syncthreads();         // step mb has landed, step mb-1 (and its exchange) is done everywhere
+        if (mb + STAGES - 1 < mb_end) load_step(mb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
+        cp_async_commit();
+        const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
+        const int m0 = mb * STEP;
+
+        // warpgroup 0: s^T = k q^T; warpgroup 1: dp^T = v dout^T
+        float s[1][S_TILES][4];
+        wgmma_fence();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], group == 0 ? s_k : s_v, group == 0 ? q_st : do_st);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(s);
+
+        if (group == 0) {
+            // p^T, 0 where masked; shared with warpgroup 1 element by element
+            const float* lse2 = s_lse2 + stage * STEP;
+            if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
+                apply_band<true>(s, band, n0 + warp_row0, m0);
+                probabilities_by_col<T, true>(s, scale_log2, lse2);
+            } else {
+                probabilities_by_col<T, false>(s, scale_log2, lse2);
+            }
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_exchange[(nt * 4 + e) * 128 + rank] = s[0][nt][e];
+            named_barrier_arrive<1, THREADS>();
+        } else {
+            // ds^T = p^T (dp^T - delta of each query column)
+            const float* delta = s_delta + stage * STEP;
+            named_barrier_sync<1, THREADS>();
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[0][nt][e] = s_exchange[(nt * 4 + e) * 128 + rank] * (s[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+        }
+
+        // warpgroup 0: dv += p^T dout; warpgroup 1: dk += ds^T q (scaled at the end)
+        u32 a[S_TILES / 2][4];
+        to_a_fragments<T>(a, s);
+        pin_registers(acc);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc[0], a, group == 0 ? do_st : q_st);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc);
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    if (group == 0) {
+        Storage* g_dv = static_cast<Storage*>(p.dv_grad) + (index_t(batch) * p.nk + n0) * p.dv;
+        store_rows<T>(g_dv, acc, 1.f, warp_row0, nk - n0, 0, dv);
+    } else {
+        Storage* g_dk = static_cast<Storage*>(p.dk) + (index_t(batch) * p.nk + n0) * p.d;
+        store_rows<T>(g_dk, acc, scale, warp_row0, nk - n0, 0, d);
+    }
+}
+
 template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dq_sm90(const BwdParams p) {

@@ -44,6 +44,14 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING)); }
 
+// Hand-off between groups of warps through shared memory: the producers' writes
+// before arrive() are visible to the consumers after sync() on the same barrier
+// id (1..15; 0 is __syncthreads'). THREADS counts producers and consumers.
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_barrier_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_barrier_sync() { asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
+
 // Issues the copies of rows [0, ROWS) x cols [0, COLS) of a global tile whose
 // row r starts at g + r * row_stride; rows >= rows_valid and columns >= cols_valid
 // become zeros. All THREADS threads of the block take part.

@@ -41,6 +41,7 @@ def test_hopper_specializations_fit_shared_memory():
                 assert _dispatch.sm90_fwd_name(dt, fwd) in names
                 assert set(_dispatch.sm90_bwd_names(dt, bwd)) <= set(names)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
+                assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _dispatch.sm90_fwd_tiles("float32", 64) is None
 
 
