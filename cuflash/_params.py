@@ -21,6 +21,8 @@ PARAMS_DTYPE = np.dtype(
         ("window_left", np.int64), ("window_right", np.int64),
         ("scale_log2", np.float64),
         ("num_m_blocks", np.int64),
+        ("batch_size", np.int64),
+        ("grid_group", np.int64),
         ("batch_ndim", np.int64),
         ("batch_shape", np.int64, (MAX_BATCH_DIMS,)),
         ("q_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
@@ -34,9 +36,22 @@ BWD_PARAMS_DTYPE = np.dtype(
     PARAMS_DTYPE.descr
     + [
         ("dout", np.uint64), ("delta", np.uint64), ("dq", np.uint64), ("dk", np.uint64), ("dv_grad", np.uint64),
-        ("num_n_blocks", np.int64), ("batch_size", np.int64),
+        ("num_n_blocks", np.int64),
     ]
 )
+
+
+# What the batch entries of one grid group (AttnParams::grid_position) may read:
+# a fraction of the L2 cache of current GPUs (40 MB and more).
+GRID_GROUP_BYTES = 16 << 20
+
+
+def grid_group(inputs) -> int:
+    """Batch entries per group of the grid order: as many as fit GRID_GROUP_BYTES with
+    the K and V (or Q and dO) each reads."""
+    x = inputs
+    entry_bytes = max(x.nq, x.nk) * (x.d + x.dv) * x.q.itemsize
+    return max(1, min(x.batch_size, GRID_GROUP_BYTES // max(1, entry_bytes)))
 
 
 def bwd_params(inputs, out, lse, dout, delta, dq, dk, dv, resident: int) -> np.ndarray:
@@ -49,7 +64,6 @@ def bwd_params(inputs, out, lse, dout, delta, dq, dk, dv, resident: int) -> np.n
     r["dout"], r["delta"] = dout.data.ptr, delta.data.ptr
     r["dq"], r["dk"], r["dv_grad"] = dq.data.ptr, dk.data.ptr, dv.data.ptr
     r["num_n_blocks"] = -(-inputs.nk // resident)
-    r["batch_size"] = inputs.batch_size
     return p
 
 
@@ -67,6 +81,8 @@ def attn_params(inputs, out, lse, block_m: int) -> np.ndarray:
     r["window_right"] = unbounded if x.right is None else min(x.right, unbounded)
     r["scale_log2"] = x.scale * math.log2(math.e)
     r["num_m_blocks"] = -(-x.nq // block_m)
+    r["batch_size"] = x.batch_size
+    r["grid_group"] = grid_group(x)
     r["batch_ndim"] = len(x.kernel_batch_shape)
     n = len(x.kernel_batch_shape)
     r["batch_shape"][:n] = x.kernel_batch_shape

@@ -25,9 +25,9 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
-    const u32 num_n_blocks = u32(p.num_n_blocks);
-    const u32 batch = blockIdx.x / num_n_blocks;
-    const int n0 = int(blockIdx.x % num_n_blocks) * Cfg::RESIDENT;
+    u32 batch, n_block;
+    p.grid_position(u32(p.num_n_blocks), false, batch, n_block);
+    const int n0 = int(n_block) * Cfg::RESIDENT;
     const int col0 = blockIdx.y * DCOL;
     const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;
@@ -166,9 +166,9 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES + 4 * EXCHANGE_FLOATS)) __trap();
-    const u32 num_n_blocks = u32(p.num_n_blocks);
-    const u32 batch = blockIdx.x / num_n_blocks;
-    const int n0 = int(blockIdx.x % num_n_blocks) * 64;
+    u32 batch, n_block;
+    p.grid_position(u32(p.num_n_blocks), false, batch, n_block);
+    const int n0 = int(n_block) * 64;
     const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
     const int group = threadIdx.x / 128, rank = threadIdx.x % 128;   // rank within the warpgroup
     const int warp_row0 = (rank / 32) * 16;
@@ -300,9 +300,9 @@ attn_bwd_dq_sm90(const BwdParams p) {
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
-    const u32 num_m_blocks = u32(p.num_m_blocks);
-    const u32 batch = blockIdx.x / num_m_blocks;
-    const int m0 = int(num_m_blocks - 1 - blockIdx.x % num_m_blocks) * Cfg::RESIDENT;   // longest first
+    u32 batch, m_block;
+    p.grid_position(u32(p.num_m_blocks), true, batch, m_block);
+    const int m0 = int(m_block) * Cfg::RESIDENT;
     const int col0 = blockIdx.y * DCOL;
     const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;

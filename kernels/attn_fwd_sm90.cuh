@@ -27,11 +27,9 @@ attn_fwd_sm90(const AttnParams p) {
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
 
-    const u32 num_m_blocks = u32(p.num_m_blocks);
-    const u32 batch = blockIdx.x / num_m_blocks;
-    // last query blocks first: under a causal mask they see the most keys, and
-    // starting them early leaves the short ones to fill the end of the grid
-    const int m0 = int(num_m_blocks - 1 - blockIdx.x % num_m_blocks) * BLOCK_M;
+    u32 batch, m_block;
+    p.grid_position(u32(p.num_m_blocks), true, batch, m_block);
+    const int m0 = int(m_block) * BLOCK_M;
     const int nq = int(p.nq), d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;                 // this warpgroup's rows
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;  // this warp's rows

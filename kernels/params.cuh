@@ -22,11 +22,27 @@ struct AttnParams {
     index_t window_left, window_right;
     double scale_log2;        // softmax scale * log2(e): exp2 replaces exp
     index_t num_m_blocks;     // query blocks per batch entry
+    index_t batch_size;       // entries of the broadcast batch
+    index_t grid_group;       // batch entries per group of the grid order (grid_position)
     index_t batch_ndim;       // broadcast batch dims, outermost first
     index_t batch_shape[MAX_BATCH_DIMS];
     index_t q_batch_stride[MAX_BATCH_DIMS];   // 0 where q is broadcast
     index_t k_batch_stride[MAX_BATCH_DIMS];
     index_t v_batch_stride[MAX_BATCH_DIMS];
+
+    // The batch entry and block (of num_blocks per entry) this thread block runs.
+    // Entries go in groups of grid_group, few enough that the blocks running at
+    // once share their K and V (or Q and dO) in L2; within a group the blocks
+    // with the most keys under a causal mask go first (block num_blocks - 1 when
+    // heavy_last), so the light ones fill the end of the grid.
+    __device__ __forceinline__ void grid_position(u32 num_blocks, bool heavy_last, u32& batch, u32& block) const {
+        const u32 group = u32(grid_group), per_group = group * num_blocks;
+        const u32 first = blockIdx.x / per_group * group, r = blockIdx.x % per_group;
+        const u32 size = min(group, u32(batch_size) - first);
+        const u32 rank = r / size;   // 0: the block with the most work
+        batch = first + r % size;
+        block = heavy_last ? num_blocks - 1 - rank : rank;
+    }
 
     // Element offsets of q, k, v for flat batch index b. The batch count fits
     // in 32 bits (it is at most the grid size), so 32-bit division suffices.
@@ -57,7 +73,6 @@ struct BwdParams : AttnParams {
     void* dk;
     void* dv_grad;
     index_t num_n_blocks;     // key blocks per batch entry
-    index_t batch_size;       // entries of the broadcast batch
 };
 
 #ifdef CUFLASH_PARAMS_BYTES
