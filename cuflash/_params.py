@@ -41,15 +41,21 @@ BWD_PARAMS_DTYPE = np.dtype(
 )
 
 
-# What the batch entries of one grid group (AttnParams::grid_position) may read:
-# a fraction of the L2 cache of current GPUs (40 MB and more).
+# What the batch entries of one group of the grid order may read (K and V, or Q
+# and dO): a fraction of the L2 cache of current GPUs (40 MB and more).
 GRID_GROUP_BYTES = 16 << 20
 
 
-def grid_group(inputs) -> int:
-    """Batch entries per group of the grid order: as many as fit GRID_GROUP_BYTES with
-    the K and V (or Q and dO) each reads."""
-    x = inputs
+def grid_group(x) -> int:
+    """Batch entries per group of a kernel's grid order (params.cuh: grid_position).
+
+    Without a mask every block has the same work, and one entry per group keeps the
+    blocks running at once on the same K and V. Under a causal or windowed mask a
+    group holds as many entries as fit GRID_GROUP_BYTES, so that the blocks with the
+    most keys of all of them start first and the light ones fill the end (by
+    measurement, bench/NOTES.md, better than a group just large enough to fill the GPU)."""
+    if x.left is None and x.right is None:
+        return 1
     entry_bytes = max(x.nq, x.nk) * (x.d + x.dv) * x.q.itemsize
     return max(1, min(x.batch_size, GRID_GROUP_BYTES // max(1, entry_bytes)))
 
