@@ -1,0 +1,104 @@
+"""Host time per call: how long cuflash's Python side takes to launch a forward and a
+backward, against torch SDPA's, and where cuflash's time goes.
+
+    python bench/host_overhead.py [--calls 2000] [--profile]
+
+A call whose kernels finish sooner than the host can issue the next call is timed by
+the benchmark (bench_attention.py, one synchronized call per sample) as host time plus
+kernel time. This prints, per provider: microseconds of host time per call on small
+inputs (the GPU never waits for the host's next call to be the bottleneck), and for the
+benchmark's D = 128, N = 2048 forward, the synchronized per-call median next to the
+back-to-back per-call time (kernels queued ahead, host time hidden). --profile adds a
+cProfile listing of cuflash's calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import cupy
+
+import cuflash
+from bench_attention import median_ms  # noqa: I001  (this directory)
+
+
+def host_us(fn, calls):
+    """Microseconds of host time per call (synchronized once at the end)."""
+    fn()
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    cupy.cuda.Device().synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def queued_ms(fn, calls=30):
+    """Per-call milliseconds with calls queued back to back (host time hidden)."""
+    fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / calls
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    rng = cupy.random.default_rng(0)
+
+    def draw(b, h, n, d):
+        return [rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(cupy.float16) for _ in range(4)]
+
+    q, k, v, do = draw(1, 2, 128, 64)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    fwd = lambda: cuflash.attention(q, k, v, causal=True)  # noqa: E731
+    bwd = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True)  # noqa: E731
+    print(f"cuflash forward   host {host_us(fwd, args.calls):7.1f} us/call")
+    print(f"cuflash backward  host {host_us(bwd, args.calls):7.1f} us/call")
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            us = host_us(lambda: sdpa(tq, tk, tv, is_causal=True), args.calls)
+        print(f"torch-flash fwd   host {us:7.1f} us/call")
+    except ImportError:
+        pass
+
+    b, h, n, d = 8, 16, 2048, 128
+    q2, k2, v2, _ = draw(b, h, n, d)
+    big = lambda: cuflash.attention(q2, k2, v2)  # noqa: E731
+    flops = 4 * b * h * n * n * d
+    synced, queued = median_ms(big, [()], 30), queued_ms(big)
+    print(f"cuflash fwd D=128 N=2048: synchronized {synced * 1e3:6.1f} us ({flops / synced / 1e9:5.1f} TFLOP/s), "
+          f"queued {queued * 1e3:6.1f} us ({flops / queued / 1e9:5.1f} TFLOP/s)")
+
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fwd()
+            bwd()
+        prof.disable()
+        cupy.cuda.Device().synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
