@@ -17,6 +17,7 @@ from ._mask import normalize_window
 from ._params import MAX_BATCH_DIMS
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+_SUPPORTED_NAMES: dict = {}   # the supported dtypes met so far, by dtype (dtype.name is slow)
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 
@@ -36,6 +37,8 @@ def check_shapes(q_shape, k_shape, v_shape) -> tuple[int, ...]:
             f"k and v must have the same number of keys (axis -2), got k.shape={tuple(k_shape)} "
             f"and v.shape={tuple(v_shape)}"
         )
+    if q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
+        return tuple(q_shape[:-2])
     try:
         return tuple(np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2]))
     except ValueError as err:
@@ -150,9 +153,15 @@ def check_dtypes(**dtypes) -> str:
 
     Takes dtypes, not arrays, so that it runs without a GPU.
     """
+    first = next(iter(dtypes.values()))
+    name = _SUPPORTED_NAMES.get(first)
+    if name is not None and all(dt is first or dt == first for dt in dtypes.values()):
+        return name   # the usual case, checked without building any names
     dtypes = {name: np.dtype(dt) for name, dt in dtypes.items()}
     for name, dt in dtypes.items():
-        if dt.name not in SUPPORTED_DTYPES:
+        if dt.name in SUPPORTED_DTYPES:
+            _SUPPORTED_NAMES[dt] = dt.name
+        else:
             raise TypeError(
                 f"{name} must have dtype {_listing(SUPPORTED_DTYPES)}, got {dt.name} "
                 f"(cast it, e.g. {name}.astype(cupy.float32))"
@@ -207,6 +216,8 @@ def _kernel_ready(cupy, x):
     transposed to (B, H, N, D) qualify.
     """
     item = x.itemsize
+    if x.flags.c_contiguous and x.data.ptr % 16 == 0:
+        return x   # rows of a multiple of 8 elements (check_head_dim) stay 16-byte aligned
     aligned = x.data.ptr % 16 == 0 and all(
         (s // item) * item == s and (s // item) % (16 // item) == 0 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1
     )
@@ -217,6 +228,12 @@ def _kernel_ready(cupy, x):
 
 def _batch_layout(batch_shape, arrays):
     """Merges batch dims where every tensor allows it; strides in elements, 0 where broadcast."""
+    n = math.prod(batch_shape)
+    if n > 0 and all(x.shape[:-2] == batch_shape and x.flags.c_contiguous for x in arrays):
+        # the usual case: contiguous tensors of one batch shape, one dim (none if n is 1)
+        if n == 1:
+            return (), tuple(() for _ in arrays)
+        return (n,), tuple((x.shape[-2] * x.shape[-1],) for x in arrays)
     nd = len(batch_shape)
     strides = []
     for x in arrays:

@@ -97,11 +97,18 @@ _lock = threading.Lock()
 _functions: dict[tuple[int, str], object] = {}
 
 
+_arch_by_device: dict[int, str] = {}
+
+
 def current_arch() -> str:
     """The architecture kernels are built for on the current device."""
     import cupy
 
-    return target_arch(cupy.cuda.Device().compute_capability)
+    device = cupy.cuda.runtime.getDevice()
+    arch = _arch_by_device.get(device)
+    if arch is None:
+        arch = _arch_by_device[device] = target_arch(cupy.cuda.Device(device).compute_capability)
+    return arch
 
 
 def get_function(name_expression: str, smem_bytes: int):
@@ -112,15 +119,14 @@ def get_function(name_expression: str, smem_bytes: int):
     """
     import cupy
 
-    device = cupy.cuda.Device()
-    key = (device.id, name_expression)
+    key = (cupy.cuda.runtime.getDevice(), name_expression)
     fn = _functions.get(key)
     if fn is not None:
         return fn
     with _lock:
         fn = _functions.get(key)
         if fn is None:
-            arch = target_arch(device.compute_capability)
+            arch = current_arch()
             module = cupy.RawModule(
                 code=kernel_source(),
                 options=_module_options(arch),

@@ -236,14 +236,14 @@ def launch_forward(inputs, out, lse) -> None:
         smem = sm90.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
         fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90), smem)
         params = _params.attn_params(x, out, lse, sm90.block_m)
-        fn((int(params[0]["num_m_blocks"]) * x.batch_size,), (sm90.threads,), (params,), shared_mem=smem)
+        fn((int(params[0]["num_m_blocks"]) * x.batch_size,), (sm90.threads,), (_params.kernel_arg(params),), shared_mem=smem)
         return
     tiles = fwd_tiles(x.dtype_name, head_dim)
     smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
     fn = _compile.get_function(fwd_name(x.dtype_name, tiles), smem)
     params = _params.attn_params(x, out, lse, tiles.block_m)
     grid = (int(params[0]["num_m_blocks"]) * x.batch_size, max(1, -(-x.dv // tiles.dv_block)))
-    fn(grid, (tiles.warps * 32,), (params,), shared_mem=smem)
+    fn(grid, (tiles.warps * 32,), (_params.kernel_arg(params),), shared_mem=smem)
 
 
 def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
@@ -258,7 +258,7 @@ def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
     rows = x.batch_size * x.nq
     if rows:
         delta_name = bwd_names(x.dtype_name, tiles)[0]
-        _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (params,))
+        _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (_params.kernel_arg(params),))
     if sm90 is not None:
         dkdv_params = params
         if sm90.dkdv_resident != sm90.resident:
@@ -271,10 +271,10 @@ def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
     col_blocks = max(1, -(-max(x.d, x.dv) // tiles.dcol))
     if x.nk:
         fn = _compile.get_function(dkdv_name, smem)
-        fn((int(record["num_n_blocks"]) * x.batch_size, col_blocks), threads, (params,), shared_mem=smem)
+        fn((int(record["num_n_blocks"]) * x.batch_size, col_blocks), threads, (_params.kernel_arg(params),), shared_mem=smem)
     if x.nq:
         fn = _compile.get_function(dq_name, smem)
-        fn((int(record["num_m_blocks"]) * x.batch_size, col_blocks), threads, (params,), shared_mem=smem)
+        fn((int(record["num_m_blocks"]) * x.batch_size, col_blocks), threads, (_params.kernel_arg(params),), shared_mem=smem)
 
 
 def _launch_backward_sm90(x, tiles: Sm90BwdTiles, params, record, dkdv_params) -> None:
@@ -285,9 +285,9 @@ def _launch_backward_sm90(x, tiles: Sm90BwdTiles, params, record, dkdv_params) -
         smem = tiles.dkdv_smem_bytes(itemsize)
         fn = _compile.get_function(dkdv_name, smem)
         grid = (int(dkdv_params[0]["num_n_blocks"]) * x.batch_size, -(-width // tiles.dkdv_dcol))
-        fn(grid, (tiles.threads,), (dkdv_params,), shared_mem=smem)
+        fn(grid, (tiles.threads,), (_params.kernel_arg(dkdv_params),), shared_mem=smem)
     if x.nq:
         smem = tiles.smem_bytes(itemsize)
         fn = _compile.get_function(dq_name, smem)
         grid = (int(record["num_m_blocks"]) * x.batch_size, -(-width // tiles.dq_dcol))
-        fn(grid, (tiles.threads,), (params,), shared_mem=smem)
+        fn(grid, (tiles.threads,), (_params.kernel_arg(params),), shared_mem=smem)

@@ -60,38 +60,39 @@ def grid_group(x) -> int:
     return max(1, min(x.batch_size, GRID_GROUP_BYTES // max(1, entry_bytes)))
 
 
-def bwd_params(inputs, out, lse, dout, delta, dq, dk, dv, resident: int) -> np.ndarray:
-    """One ``BwdParams`` record; query and key blocks of ``resident`` rows."""
-    fwd = attn_params(inputs, out, lse, resident)
-    p = np.zeros(1, dtype=BWD_PARAMS_DTYPE)
-    for name in PARAMS_DTYPE.names:
-        p[0][name] = fwd[0][name]
-    r = p[0]
-    r["dout"], r["delta"] = dout.data.ptr, delta.data.ptr
-    r["dq"], r["dk"], r["dv_grad"] = dq.data.ptr, dk.data.ptr, dv.data.ptr
-    r["num_n_blocks"] = -(-inputs.nk // resident)
-    return p
-
-
 def attn_params(inputs, out, lse, block_m: int) -> np.ndarray:
     """One ``AttnParams`` record (a length-1 structured array) for a forward launch."""
-    x = inputs
-    p = np.zeros(1, dtype=PARAMS_DTYPE)
-    r = p[0]
-    r["q"], r["k"], r["v"] = x.q.data.ptr, x.k.data.ptr, x.v.data.ptr
-    r["out"], r["lse"] = out.data.ptr, lse.data.ptr
-    r["q_row_stride"], r["k_row_stride"], r["v_row_stride"] = x.row_strides
-    r["nq"], r["nk"], r["d"], r["dv"] = x.nq, x.nk, x.d, x.dv
+    return np.array([_attn_values(inputs, out, lse, block_m)], dtype=PARAMS_DTYPE)
+
+
+def bwd_params(inputs, out, lse, dout, delta, dq, dk, dv, resident: int) -> np.ndarray:
+    """One ``BwdParams`` record; query and key blocks of ``resident`` rows."""
+    values = _attn_values(inputs, out, lse, resident) + (
+        dout.data.ptr, delta.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, -(-inputs.nk // resident),
+    )
+    return np.array([values], dtype=BWD_PARAMS_DTYPE)
+
+
+def kernel_arg(params: np.ndarray) -> np.ndarray:
+    """A record as a kernel argument: one opaque element of its size. (CuPy passes a
+    one-element NumPy array by value, and reads the description of a structured
+    dtype at every launch, which takes longer than the rest of the launch.)"""
+    return params.view(np.dtype((np.void, params.itemsize)))
+
+
+def _attn_values(x, out, lse, block_m: int) -> tuple:
+    """The fields of ``AttnParams``, in order."""
     unbounded = x.nq + x.nk
-    r["window_left"] = unbounded if x.left is None else min(x.left, unbounded)
-    r["window_right"] = unbounded if x.right is None else min(x.right, unbounded)
-    r["scale_log2"] = x.scale * math.log2(math.e)
-    r["num_m_blocks"] = -(-x.nq // block_m)
-    r["batch_size"] = x.batch_size
-    r["grid_group"] = grid_group(x)
-    r["batch_ndim"] = len(x.kernel_batch_shape)
     n = len(x.kernel_batch_shape)
-    r["batch_shape"][:n] = x.kernel_batch_shape
-    for name, strides in zip(("q_batch_stride", "k_batch_stride", "v_batch_stride"), x.kernel_batch_strides):
-        r[name][:n] = strides
-    return p
+    pad = (0,) * (MAX_BATCH_DIMS - n)
+    q_strides, k_strides, v_strides = (tuple(st) + pad for st in x.kernel_batch_strides)
+    return (
+        x.q.data.ptr, x.k.data.ptr, x.v.data.ptr, out.data.ptr, lse.data.ptr,
+        *x.row_strides,
+        x.nq, x.nk, x.d, x.dv,
+        unbounded if x.left is None else min(x.left, unbounded),
+        unbounded if x.right is None else min(x.right, unbounded),
+        x.scale * math.log2(math.e),
+        -(-x.nq // block_m), x.batch_size, grid_group(x),
+        n, tuple(x.kernel_batch_shape) + pad, q_strides, k_strides, v_strides,
+    )

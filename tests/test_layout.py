@@ -55,6 +55,15 @@ def test_params_record_is_all_8_byte_fields():
     assert all(_params.PARAMS_DTYPE.fields[f][0].base.itemsize == 8 for f in _params.PARAMS_DTYPE.names)
 
 
+def test_kernel_argument_is_one_element_holding_the_record():
+    record = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
+    record[0]["nq"], record[0]["scale_log2"] = 1234, 0.25
+    arg = _params.kernel_arg(record)
+    # CuPy passes only one-element NumPy arrays by value
+    assert arg.shape == (1,) and arg.nbytes == record.nbytes and not arg.dtype.fields
+    assert arg.tobytes() == record.tobytes()
+
+
 @st.composite
 def broadcast_views(draw):
     nd = draw(st.integers(0, 4))
