@@ -41,9 +41,10 @@ SM90_FWD_CANDIDATES = {
     256: [(64, 2, 2, 1)],
 }
 # (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv]) of the Hopper backward
+# (three or more stages: a step's gradient products run during the next step)
 SM90_BWD_CANDIDATES = {
-    64: [(64, 64, 64, 2, 2, 1), (64, 64, 64, 1, 2, 2)],
-    128: [(128, 128, 64, 2, 2, 1), (128, 128, 64, 2, 3, 1)],
+    64: [(64, 64, 64, 2, 2, 1), (64, 64, 64, 2, 3, 1), (64, 64, 64, 2, 4, 1)],
+    128: [(128, 128, 64, 2, 2, 1)],
     256: [(128, 128, 32, 2, 3, 1), (128, 256, 32, 2, 3, 1), (256, 256, 32, 2, 3, 1, True)],
 }
 BWD_CANDIDATES = {

@@ -216,8 +216,10 @@ def _kernel_ready(cupy, x):
     transposed to (B, H, N, D) qualify.
     """
     item = x.itemsize
-    if x.flags.c_contiguous and x.data.ptr % 16 == 0:
-        return x   # rows of a multiple of 8 elements (check_head_dim) stay 16-byte aligned
+    if x.flags.c_contiguous:
+        # rows of a multiple of 8 elements (check_head_dim) stay 16-byte aligned; a
+        # contiguous view that starts off a 16-byte boundary is copied (fresh memory is aligned)
+        return x if x.data.ptr % 16 == 0 else x.copy()
     aligned = x.data.ptr % 16 == 0 and all(
         (s // item) * item == s and (s // item) % (16 // item) == 0 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1
     )
@@ -315,9 +317,10 @@ def check_backward_arrays(batch_shape, nq: int, dv: int, dtype, **given) -> None
 
 
 def backward_arrays(cupy, x: AttnInputs, **arrays):
-    """Checks out, dout and lse (see `check_backward_arrays`); returns them contiguous, in the order given.
+    """Checks out, dout and lse (see `check_backward_arrays`); returns them contiguous and
+    16-byte aligned, in the order given.
 
     Their types and devices were checked by `attention_inputs`.
     """
     check_backward_arrays(x.batch_shape, x.nq, x.dv, x.q.dtype, **{n: (a.shape, a.dtype) for n, a in arrays.items()})
-    return tuple(cupy.ascontiguousarray(a) for a in arrays.values())
+    return tuple(_kernel_ready(cupy, cupy.ascontiguousarray(a)) for a in arrays.values())

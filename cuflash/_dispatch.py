@@ -198,7 +198,8 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
         return None
     if head_dim == 256:
         return Sm90BwdTiles(256, 256, 256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
-    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2)
+    # three stages (gradient products overlapping the next step) spill at head dim 128
+    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=3 if head_dim == 64 else 2)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles) -> tuple[str, str]:
@@ -247,7 +248,8 @@ def launch_forward(inputs, out, lse) -> None:
 
 
 def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
-    """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks."""
+    """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks
+    (on sm_90a: dq with delta, then dk/dv). Called with at least one query and one key."""
     x = inputs
     head_dim = head_dim_bucket(x.d, x.dv)
     sm90 = sm90_bwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
@@ -255,18 +257,16 @@ def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
     resident = tiles.resident if sm90 is None else sm90.resident
     params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, resident)
     record = params[0]
-    rows = x.batch_size * x.nq
-    if rows:
-        delta_name = bwd_names(x.dtype_name, tiles)[0]
-        _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (_params.kernel_arg(params),))
     if sm90 is not None:
         dkdv_params = params
         if sm90.dkdv_resident != sm90.resident:
             dkdv_params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, sm90.dkdv_resident)
         _launch_backward_sm90(x, sm90, params, record, dkdv_params)
         return
+    rows = x.batch_size * x.nq
+    delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
+    _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (_params.kernel_arg(params),))
     smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
-    _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
     threads = (tiles.warps * 32,)
     col_blocks = max(1, -(-max(x.d, x.dv) // tiles.dcol))
     if x.nk:
@@ -278,16 +278,15 @@ def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
 
 
 def _launch_backward_sm90(x, tiles: Sm90BwdTiles, params, record, dkdv_params) -> None:
+    """dq over query blocks (which also computes delta), then dk/dv over key blocks."""
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, tiles)
     width = max(x.d, x.dv)
-    if x.nk:
-        smem = tiles.dkdv_smem_bytes(itemsize)
-        fn = _compile.get_function(dkdv_name, smem)
-        grid = (int(dkdv_params[0]["num_n_blocks"]) * x.batch_size, -(-width // tiles.dkdv_dcol))
-        fn(grid, (tiles.threads,), (_params.kernel_arg(dkdv_params),), shared_mem=smem)
-    if x.nq:
-        smem = tiles.smem_bytes(itemsize)
-        fn = _compile.get_function(dq_name, smem)
-        grid = (int(record["num_m_blocks"]) * x.batch_size, -(-width // tiles.dq_dcol))
-        fn(grid, (tiles.threads,), (_params.kernel_arg(params),), shared_mem=smem)
+    smem = tiles.smem_bytes(itemsize)
+    fn = _compile.get_function(dq_name, smem)
+    grid = (int(record["num_m_blocks"]) * x.batch_size, -(-width // tiles.dq_dcol))
+    fn(grid, (tiles.threads,), (_params.kernel_arg(params),), shared_mem=smem)
+    smem = tiles.dkdv_smem_bytes(itemsize)
+    fn = _compile.get_function(dkdv_name, smem)
+    grid = (int(dkdv_params[0]["num_n_blocks"]) * x.batch_size, -(-width // tiles.dkdv_dcol))
+    fn(grid, (tiles.threads,), (_params.kernel_arg(dkdv_params),), shared_mem=smem)

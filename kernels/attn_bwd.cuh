@@ -1,6 +1,6 @@
 // attn_bwd.cuh: the backward pass, recomputing each score block from q, k and lse.
 //
-//   delta_i = rowsum(dout_i * out_i)                         (attn_bwd_delta)
+//   delta_i = rowsum(dout_i * out_i)                         (attn_bwd_delta; on sm_90a the dq pass)
 //   p = exp(scale * q k^T - lse),  dp = dout v^T,  ds = p (dp - delta)
 //   dv = p^T dout,  dk = scale * ds^T q                      (attn_bwd_dkdv: keys resident)
 //   dq = scale * ds k                                        (attn_bwd_dq: queries resident)

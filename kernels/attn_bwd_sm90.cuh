@@ -7,7 +7,11 @@
 // (k q^T, v dout^T; q k^T, dout v^T) read both operands from shared memory;
 // the gradient products (p^T dout, ds^T q; ds k) take p or ds from registers.
 // The two score products of a step are issued together, and the first
-// gradient product runs while the second score tile is turned into ds.
+// gradient product runs while the second score tile is turned into ds; with
+// three or more stages (Sm90BwdConfig::OVERLAP) a step's gradient products are
+// issued at the start of the next step instead, behind its score products.
+// The dq pass runs first and also computes delta = rowsum(dout * out) for its
+// query rows, which the dk/dv pass reads.
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -81,17 +85,28 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         load_tile_async<RTile, Cfg::THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
         load_tile_async<RTile, Cfg::THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
 #pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
+        for (int i = 0; i < Cfg::AHEAD; ++i) {
             if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
             cp_async_commit();
         }
     }
+    // With OVERLAP (Cfg) a step's gradient products are issued at the start of the
+    // next step, behind its score products, and run while its p^T is formed; their
+    // A fragments and B tiles (pa, dsa; q and dout of step mb - 1) stay until then.
+    u32 pa[S_TILES / 2][4], dsa[S_TILES / 2][4];
+    u32 q_prev = 0, do_prev = 0;
+    auto issue_gradients = [&](u32 q_tile, u32 do_tile) {
+        pin_registers(acc_dv);
+        pin_registers(acc_dk);
+        wgmma_regs_cols<T, STile, DCOL>(acc_dv[0], pa, do_tile + panel0 * STile::PANEL_BYTES);
+        wgmma_regs_cols<T, STile, DCOL>(acc_dk[0], dsa, q_tile + panel0 * STile::PANEL_BYTES);
+    };
     for (int mb = mb_begin; mb < mb_end; ++mb) {
         const int stage = int(u32(mb - mb_begin) % STAGES);
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<Cfg::AHEAD - 1>();
         fence_async_shared();
-        __syncthreads();         // step mb has landed and step mb-1 is done everywhere
-        if (mb + STAGES - 1 < mb_end) load_step(mb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
+        __syncthreads();         // step mb has landed; no product in flight reads the stage refilled next
+        if (mb + Cfg::AHEAD < mb_end) load_step(mb + Cfg::AHEAD, int(u32(stage + Cfg::AHEAD) % STAGES));
         cp_async_commit();
         const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
         const float* lse2 = s_lse2 + stage * STEP;
@@ -100,12 +115,18 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 
         // s^T = k q^T and dp^T = v dout^T (rows: this warpgroup's keys; columns: the step's queries)
         float st[1][S_TILES][4], dpt[1][S_TILES][4];
+        pin_registers(pa);
+        pin_registers(dsa);
         wgmma_fence();
         wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(st[0], s_k + group_row0 * 128, q_st);
         wgmma_commit();
         wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dpt[0], s_v + group_row0 * 128, do_st);
         wgmma_commit();
-        wgmma_wait<1>();
+        if (Cfg::OVERLAP) {
+            if (mb > mb_begin) issue_gradients(q_prev, do_prev);
+            wgmma_commit();   // empty in the first step, so the waits below count alike
+        }
+        wgmma_wait<Cfg::OVERLAP ? 2 : 1>();
         pin_registers(st);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
@@ -116,13 +137,15 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
             probabilities_by_col<T, false>(st, scale_log2, lse2);
         }
 
-        // dv += p^T dout, running while ds^T is formed
-        u32 pa[S_TILES / 2][4];
-        to_a_fragments<T>(pa, st);
-        pin_registers(acc_dv);
-        wgmma_fence();
-        wgmma_regs_cols<T, STile, DCOL>(acc_dv[0], pa, do_st + panel0 * STile::PANEL_BYTES);
-        wgmma_commit();
+        if (!Cfg::OVERLAP) {
+            // dv += p^T dout, running while ds^T is formed
+            to_a_fragments<T>(pa, st);
+            pin_registers(acc_dv);
+            pin_registers(pa);
+            wgmma_fence();
+            wgmma_regs_cols<T, STile, DCOL>(acc_dv[0], pa, do_st + panel0 * STile::PANEL_BYTES);
+            wgmma_commit();
+        }
         wgmma_wait<1>();
         pin_registers(dpt);
 
@@ -131,11 +154,31 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
-        u32 dsa[S_TILES / 2][4];
-        to_a_fragments<T>(dsa, dpt);
-        pin_registers(acc_dk);
+        if (Cfg::OVERLAP) {
+            wgmma_wait<0>();   // the previous step's products: pa and dsa are free
+            pin_registers(acc_dv);
+            pin_registers(acc_dk);
+            to_a_fragments<T>(pa, st);
+            to_a_fragments<T>(dsa, dpt);
+            q_prev = q_st;
+            do_prev = do_st;
+        } else {
+            to_a_fragments<T>(dsa, dpt);
+            pin_registers(acc_dk);
+            pin_registers(dsa);
+            wgmma_fence();
+            wgmma_regs_cols<T, STile, DCOL>(acc_dk[0], dsa, q_st + panel0 * STile::PANEL_BYTES);
+            wgmma_commit();
+            wgmma_wait<0>();
+            pin_registers(acc_dv);
+            pin_registers(acc_dk);
+        }
+    }
+    if (Cfg::OVERLAP && mb_begin < mb_end) {
+        pin_registers(pa);
+        pin_registers(dsa);
         wgmma_fence();
-        wgmma_regs_cols<T, STile, DCOL>(acc_dk[0], dsa, q_st + panel0 * STile::PANEL_BYTES);
+        issue_gradients(q_prev, do_prev);
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(acc_dv);
@@ -289,6 +332,38 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     }
 }
 
+// delta = rowsum(dout * out) of the two rows a thread owns in the MMA layout
+// (rows g and g + 8 of its warp's 16 from row0), its quad splitting each row
+// into 16-byte chunks (out and dout are contiguous and 16-byte aligned, dv a
+// multiple of 8). The dq pass runs first and stores delta for the dk/dv pass.
+template <class T>
+__device__ __forceinline__ void row_deltas(const BwdParams& p, u32 batch, int row0, bool store, float (&delta)[2]) {
+    using Storage = typename T::storage;
+    static_assert(sizeof(Storage) == 2, "16-bit elements, eight to a chunk");
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int nq = int(p.nq), chunks = int(p.dv) / 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + g + 8 * h;
+        float sum = 0.f;
+        if (row < nq) {
+            const index_t off = (index_t(batch) * p.nq + row) * p.dv;
+            const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.out) + off);
+            const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.dout) + off);
+            for (int c = t; c < chunks; c += 4) {
+                const uint4 a = o[c], b = d[c];
+                const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int w = 0; w < 4; ++w)
+                    sum += Load<T>::bits(u16(aw[w])) * Load<T>::bits(u16(bw[w])) +
+                           Load<T>::bits(u16(aw[w] >> 16)) * Load<T>::bits(u16(bw[w] >> 16));
+            }
+        }
+        delta[h] = quad_sum(sum);
+        if (store && t == 0 && row < nq) p.delta[index_t(batch) * p.nq + row] = delta[h];
+    }
+}
+
 template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dq_sm90(const BwdParams p) {
@@ -320,15 +395,6 @@ attn_bwd_dq_sm90(const BwdParams p) {
     const u32 s_k = s_do + RTile::BYTES;
     const u32 s_v = s_k + STAGES * STEP_BYTES;
 
-    // lse2 and delta of the two rows each thread owns
-    float lse2[2], delta[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = m0 + warp_row0 + g + 8 * h;
-        lse2[h] = lse_log2(p.lse + index_t(batch) * p.nq, row, nq);
-        delta[h] = row < nq ? p.delta[index_t(batch) * p.nq + row] : 0.f;
-    }
-
     const Band band(p);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int n_lo, n_hi;
@@ -355,29 +421,49 @@ attn_bwd_dq_sm90(const BwdParams p) {
         load_tile_async<RTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
         load_tile_async<RTile, Cfg::THREADS>(s_do, g_do, p.dv, nq - m0, dv);
 #pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
+        for (int i = 0; i < Cfg::AHEAD; ++i) {
             if (nb_begin + i < nb_end) load_step(nb_begin + i, i);
             cp_async_commit();
         }
     }
+    // lse2 and delta of the two rows each thread owns, while the first steps load;
+    // every row gets its delta, also one that sees no key (the dk/dv pass multiplies it by p = 0)
+    float lse2[2], delta[2];
+    row_deltas<T>(p, batch, m0 + warp_row0, blockIdx.y == 0, delta);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lse2[h] = lse_log2(p.lse + index_t(batch) * p.nq, m0 + warp_row0 + g + 8 * h, nq);
+
+    // With OVERLAP (Cfg) a step's dq product is issued at the start of the next
+    // step, behind its score products, and runs while its p is formed.
+    u32 dsa[S_TILES / 2][4];   // ds as A fragments
+    u32 k_prev = 0;            // the k tile of the step whose ds is in dsa
+    auto issue_dq = [&](u32 k_tile) {
+        pin_registers(acc_dq);
+        wgmma_regs_cols<T, STile, DCOL>(acc_dq[0], dsa, k_tile + panel0 * STile::PANEL_BYTES);
+    };
     for (int nb = nb_begin; nb < nb_end; ++nb) {
         const int stage = int(u32(nb - nb_begin) % STAGES);
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<Cfg::AHEAD - 1>();
         fence_async_shared();
-        __syncthreads();
-        if (nb + STAGES - 1 < nb_end) load_step(nb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
+        __syncthreads();         // step nb has landed; no product in flight reads the stage refilled next
+        if (nb + Cfg::AHEAD < nb_end) load_step(nb + Cfg::AHEAD, int(u32(stage + Cfg::AHEAD) % STAGES));
         cp_async_commit();
         const u32 k_st = s_k + stage * STEP_BYTES, v_st = s_v + stage * STEP_BYTES;
         const int n0 = nb * STEP;
 
         // s = q k^T and dp = dout v^T
         float s[1][S_TILES][4], dp[1][S_TILES][4];
+        pin_registers(dsa);
         wgmma_fence();
         wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], s_q + group_row0 * 128, k_st);
         wgmma_commit();
         wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dp[0], s_do + group_row0 * 128, v_st);
         wgmma_commit();
-        wgmma_wait<1>();
+        if (Cfg::OVERLAP) {
+            if (nb > nb_begin) issue_dq(k_prev);
+            wgmma_commit();   // empty in the first step, so the waits below count alike
+        }
+        wgmma_wait<Cfg::OVERLAP ? 2 : 1>();
         pin_registers(s);
 
         // p = exp2(s * scale_log2 - lse2), while dp finishes
@@ -387,7 +473,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
         } else {
             probabilities_by_row<T, false>(s, scale_log2, lse2);
         }
-        wgmma_wait<0>();
+        wgmma_wait<Cfg::OVERLAP ? 1 : 0>();
         pin_registers(dp);
 
         // ds = p (dp - delta); dq += ds k (scaled at the end)
@@ -395,11 +481,25 @@ attn_bwd_dq_sm90(const BwdParams p) {
         for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
-        u32 dsa[S_TILES / 2][4];
-        to_a_fragments<T>(dsa, dp);
-        pin_registers(acc_dq);
+        if (Cfg::OVERLAP) {
+            wgmma_wait<0>();   // the previous step's dq product: dsa is free
+            pin_registers(acc_dq);
+            to_a_fragments<T>(dsa, dp);
+            k_prev = k_st;
+        } else {
+            to_a_fragments<T>(dsa, dp);
+            pin_registers(dsa);
+            wgmma_fence();
+            issue_dq(k_st);
+            wgmma_commit();
+            wgmma_wait<0>();
+            pin_registers(acc_dq);
+        }
+    }
+    if (Cfg::OVERLAP && nb_begin < nb_end) {
+        pin_registers(dsa);
         wgmma_fence();
-        wgmma_regs_cols<T, STile, DCOL>(acc_dq[0], dsa, k_st + panel0 * STile::PANEL_BYTES);
+        issue_dq(k_prev);
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(acc_dq);

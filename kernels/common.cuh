@@ -79,14 +79,16 @@ template <> struct Store<f32> {
 // Loads one element as float.
 template <class T> struct Load;
 template <> struct Load<f16> {
-    __device__ __forceinline__ static float one(const u16* p) {
+    __device__ __forceinline__ static float bits(u16 h) {
         float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
         return f;
     }
+    __device__ __forceinline__ static float one(const u16* p) { return bits(*p); }
 };
 template <> struct Load<bf16> {
-    __device__ __forceinline__ static float one(const u16* p) { return __uint_as_float(u32(*p) << 16); }
+    __device__ __forceinline__ static float bits(u16 h) { return __uint_as_float(u32(h) << 16); }
+    __device__ __forceinline__ static float one(const u16* p) { return bits(*p); }
 };
 template <> struct Load<f32> {
     __device__ __forceinline__ static float one(const float* p) { return *p; }

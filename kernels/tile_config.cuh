@@ -97,6 +97,11 @@ struct Sm90BwdConfig {
     static constexpr int THREADS = 128 * WARPGROUPS_;
     static constexpr int STAGES = STAGES_;
     static_assert(STAGES >= 2, "a step reads one stage while the next one fills");
+    // With three or more stages a step's last gradient product runs on into the
+    // next step, so loads run STAGES - 2 steps ahead instead of STAGES - 1: the
+    // stage a step refills was last read two steps back, by a product since waited for.
+    static constexpr bool OVERLAP = STAGES >= 3;
+    static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;
 
     using ResidentTile = PanelTile<Storage, RESIDENT, HEAD_DIM>;
     using StepTile = PanelTile<Storage, STEP, HEAD_DIM>;

@@ -67,6 +67,14 @@ __device__ __forceinline__ void pin_registers(float (&x)[A][B][4]) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(x[a][b][e]) :: "memory");
 }
+// The same for A fragments, which must stay unchanged until their product is waited for.
+template <int A>
+__device__ __forceinline__ void pin_registers(u32 (&x)[A][4]) {
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(x[a][e]) :: "memory");
+}
 
 // d[N/8][4] += A . B for one m64nNk16 step, fp32 accumulate.
 //   wgmma_ss: A and B both in shared memory, K-major (Q, K for q k^T)
