@@ -163,6 +163,9 @@ class Sm90BwdTiles:
     # dk/dv by attn_bwd_dkdv_wide_sm90: both warpgroups on the same 64 keys, one
     # accumulating dv, the other dk, over all columns (dkdv_dcol = head_dim)
     wide_dkdv: bool = False
+    # the dq pass's own step and stages; 0: those of dk/dv
+    dq_step: int = 0
+    dq_stages: int = 0
 
     @property
     def resident(self) -> int:
@@ -172,21 +175,29 @@ class Sm90BwdTiles:
     def dkdv_resident(self) -> int:
         return 64 if self.wide_dkdv else self.resident
 
-    def dkdv_smem_bytes(self, itemsize: int) -> int:
-        if not self.wide_dkdv:
-            return self.smem_bytes(itemsize)
-        # Sm90BwdConfig with one warpgroup's rows, plus one step of p^T as float32
-        tiles = 2 * 64 + 2 * self.stages * self.step
-        return 1024 + tiles * self.head_dim * itemsize + 2 * self.stages * self.step * 4 + 64 * self.step * 4
+    @property
+    def dq_pipeline(self) -> tuple[int, int]:
+        """(step, stages) of the dq pass."""
+        return self.dq_step or self.step, self.dq_stages or self.stages
 
     @property
     def threads(self) -> int:
         return 128 * self.warpgroups
 
+    def dkdv_smem_bytes(self, itemsize: int) -> int:
+        if not self.wide_dkdv:
+            return self._smem_bytes(self.resident, self.step, self.stages, itemsize)
+        # one warpgroup's rows, plus one step of p^T as float32
+        return self._smem_bytes(64, self.step, self.stages, itemsize) + 64 * self.step * 4
+
     def smem_bytes(self, itemsize: int) -> int:
+        """Shared memory of the dq pass."""
+        return self._smem_bytes(self.resident, *self.dq_pipeline, itemsize)
+
+    def _smem_bytes(self, resident: int, step: int, stages: int, itemsize: int) -> int:
         # tile_config.cuh: Sm90BwdConfig::SMEM_BYTES
-        tiles = 2 * self.resident + 2 * self.stages * self.step
-        return 1024 + tiles * self.head_dim * itemsize + 2 * self.stages * self.step * 4
+        tiles = 2 * resident + 2 * stages * step
+        return 1024 + tiles * self.head_dim * itemsize + 2 * stages * step * 4
 
 
 def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
@@ -198,20 +209,26 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
         return None
     if head_dim == 256:
         return Sm90BwdTiles(256, 256, 256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
-    # three stages (gradient products overlapping the next step) spill at head dim 128
-    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=3 if head_dim == 64 else 2)
+    if head_dim == 64:
+        # by measurement (bench/NOTES.md v6): gradient products overlapping the next
+        # step (3 stages), and dq over 128 keys per step
+        return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=2, stages=3, dq_step=128, dq_stages=3)
+    # three stages spill at head dim 128
+    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles) -> tuple[str, str]:
     """(dk/dv, dq) kernel name expressions."""
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}"
     if t.wide_dkdv:
         dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}>"
     else:
+        rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}"
         dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>"
-    return dkdv, f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {rest}>"
+    dq_step, dq_stages = t.dq_pipeline
+    dq_rest = f"{dq_step}, {t.warpgroups}, {dq_stages}, {t.min_blocks}"
+    return dkdv, f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {dq_rest}>"
 
 
 def all_specializations(arch: str = "sm_80") -> list[str]:
