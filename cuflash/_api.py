@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import _checks, _dispatch
+from . import _checks, _plans
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False):
@@ -51,13 +51,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     --------
     cuflash.reference.attention : the NumPy float64 version of the same function.
     """
-    x = _checks.attention_inputs(q, k, v, causal, window, scale)
+    plan, (q, k, v) = _plans.forward(q, k, v, causal, window, scale)
     cupy = _checks.require_cupy()
-    with x.q.device:
-        out = cupy.empty(x.batch_shape + (x.nq, x.dv), dtype=x.q.dtype)
-        lse = cupy.empty(x.batch_shape + (x.nq,), dtype=cupy.float32)
-        if x.batch_size and x.nq:
-            _dispatch.launch_forward(x, out, lse)
+    with cupy.cuda.Device(plan.device):
+        out = cupy.empty(plan.shapes[0], dtype=q.dtype)
+        lse = cupy.empty(plan.shapes[1], dtype=cupy.float32)
+        for launch in plan.launches:
+            launch.run((q, k, v, out, lse))
     return (out, lse) if return_lse else out
 
 
@@ -87,26 +87,22 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     --------
     cuflash.reference.attention_backward : the NumPy float64 version.
     """
-    x = _checks.attention_inputs(q, k, v, causal, window, scale, dout=dout, out=out, lse=lse)
+    orig = (q, k, v)
+    plan, (q, k, v, out, lse, dout) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale)
     cupy = _checks.require_cupy()
-    out, dout, lse = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
     # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
-    launch = x.batch_size and x.nq and x.nk
-    alloc = cupy.empty if launch else cupy.zeros
-    with x.q.device:
-        shape = x.batch_shape
-        dq = alloc(shape + (x.nq, x.d), dtype=x.q.dtype)
-        dk = alloc(shape + (x.nk, x.d), dtype=x.q.dtype)
-        dv = alloc(shape + (x.nk, x.dv), dtype=x.q.dtype)
-        if launch:
-            delta = cupy.empty(shape + (x.nq,), dtype=cupy.float32)
-            _dispatch.launch_backward(x, out, lse, dout, delta, dq, dk, dv)
+    alloc = cupy.empty if plan.launches else cupy.zeros
+    with cupy.cuda.Device(plan.device):
+        dq, dk, dv = (alloc(shape, dtype=q.dtype) for shape in plan.shapes[:3])
+        if plan.launches:
+            delta = cupy.empty(plan.shapes[3], dtype=cupy.float32)
+            for launch in plan.launches:
+                launch.run((q, k, v, out, lse, dout, delta, dq, dk, dv))
         # gradients of broadcast inputs: summed over the broadcast dims, in float32
         return tuple(
-            g if g.shape == orig.shape else _checks.sum_to_shape(g.astype(cupy.float32), orig.shape).astype(g.dtype)
-            for g, orig in ((dq, q), (dk, k), (dv, v))
+            g if g.shape == x.shape else _checks.sum_to_shape(g.astype(cupy.float32), x.shape).astype(g.dtype)
+            for g, x in zip((dq, dk, dv), orig)
         )
-
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import _compile, _params
 
 # Head dims are padded (without copies: the loads zero-fill) to the next bucket.
@@ -245,65 +247,66 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
     return names
 
 
-def launch_forward(inputs, out, lse) -> None:
-    """Runs the forward kernel over the whole broadcast batch in one launch."""
-    x = inputs
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a call: everything but the data pointers, which
+    ``run`` fills into a copy of the parameter record."""
+
+    fn: object
+    grid: tuple[int, ...]
+    threads: int
+    smem: int
+    params: np.ndarray  # AttnParams or BwdParams, pointers 0
+
+    def run(self, arrays) -> None:
+        self.fn(self.grid, (self.threads,), (_params.with_pointers(self.params, arrays),), shared_mem=self.smem)
+
+
+def forward_launches(x) -> tuple[Launch, ...]:
+    """The forward over the whole broadcast batch: one launch (with at least one query)."""
     head_dim = head_dim_bucket(x.d, x.dv)
+    itemsize = ELEMENT_TYPES[x.dtype_name][1]
     sm90 = sm90_fwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
     if sm90 is not None:
-        smem = sm90.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
+        smem = sm90.smem_bytes(itemsize)
         fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90), smem)
-        params = _params.attn_params(x, out, lse, sm90.block_m)
-        fn((int(params[0]["num_m_blocks"]) * x.batch_size,), (sm90.threads,), (_params.kernel_arg(params),), shared_mem=smem)
-        return
+        params = _params.attn_params(x, sm90.block_m)
+        return (Launch(fn, (int(params[0]["num_m_blocks"]) * x.batch_size,), sm90.threads, smem, params),)
     tiles = fwd_tiles(x.dtype_name, head_dim)
-    smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
-    fn = _compile.get_function(fwd_name(x.dtype_name, tiles), smem)
-    params = _params.attn_params(x, out, lse, tiles.block_m)
-    grid = (int(params[0]["num_m_blocks"]) * x.batch_size, max(1, -(-x.dv // tiles.dv_block)))
-    fn(grid, (tiles.warps * 32,), (_params.kernel_arg(params),), shared_mem=smem)
-
-
-def launch_backward(inputs, out, lse, dout, delta, dq, dk, dv) -> None:
-    """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks
-    (on sm_90a: dq with delta, then dk/dv). Called with at least one query and one key."""
-    x = inputs
-    head_dim = head_dim_bucket(x.d, x.dv)
-    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
-    tiles = bwd_tiles(x.dtype_name, head_dim)
-    resident = tiles.resident if sm90 is None else sm90.resident
-    params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, resident)
-    record = params[0]
-    if sm90 is not None:
-        dkdv_params = params
-        if sm90.dkdv_resident != sm90.resident:
-            dkdv_params = _params.bwd_params(x, out, lse, dout, delta, dq, dk, dv, sm90.dkdv_resident)
-        _launch_backward_sm90(x, sm90, params, record, dkdv_params)
-        return
-    rows = x.batch_size * x.nq
-    delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
-    _compile.get_function(delta_name, 0)((-(-rows // 4),), (128,), (_params.kernel_arg(params),))
-    smem = tiles.smem_bytes(ELEMENT_TYPES[x.dtype_name][1])
-    threads = (tiles.warps * 32,)
-    col_blocks = max(1, -(-max(x.d, x.dv) // tiles.dcol))
-    if x.nk:
-        fn = _compile.get_function(dkdv_name, smem)
-        fn((int(record["num_n_blocks"]) * x.batch_size, col_blocks), threads, (_params.kernel_arg(params),), shared_mem=smem)
-    if x.nq:
-        fn = _compile.get_function(dq_name, smem)
-        fn((int(record["num_m_blocks"]) * x.batch_size, col_blocks), threads, (_params.kernel_arg(params),), shared_mem=smem)
-
-
-def _launch_backward_sm90(x, tiles: Sm90BwdTiles, params, record, dkdv_params) -> None:
-    """dq over query blocks (which also computes delta), then dk/dv over key blocks."""
-    itemsize = ELEMENT_TYPES[x.dtype_name][1]
-    dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, tiles)
-    width = max(x.d, x.dv)
     smem = tiles.smem_bytes(itemsize)
-    fn = _compile.get_function(dq_name, smem)
-    grid = (int(record["num_m_blocks"]) * x.batch_size, -(-width // tiles.dq_dcol))
-    fn(grid, (tiles.threads,), (_params.kernel_arg(params),), shared_mem=smem)
-    smem = tiles.dkdv_smem_bytes(itemsize)
-    fn = _compile.get_function(dkdv_name, smem)
-    grid = (int(dkdv_params[0]["num_n_blocks"]) * x.batch_size, -(-width // tiles.dkdv_dcol))
-    fn(grid, (tiles.threads,), (_params.kernel_arg(dkdv_params),), shared_mem=smem)
+    fn = _compile.get_function(fwd_name(x.dtype_name, tiles), smem)
+    params = _params.attn_params(x, tiles.block_m)
+    grid = (int(params[0]["num_m_blocks"]) * x.batch_size, max(1, -(-x.dv // tiles.dv_block)))
+    return (Launch(fn, grid, tiles.warps * 32, smem, params),)
+
+
+def backward_launches(x) -> tuple[Launch, ...]:
+    """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks
+    (on sm_90a: dq with delta, then dk/dv). With at least one query and one key."""
+    head_dim = head_dim_bucket(x.d, x.dv)
+    itemsize = ELEMENT_TYPES[x.dtype_name][1]
+    width = max(x.d, x.dv)
+    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
+    if sm90 is not None:
+        dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90)
+        params = _params.bwd_params(x, sm90.resident)
+        dkdv_params = _params.bwd_params(x, sm90.dkdv_resident)
+        dq_smem, dkdv_smem = sm90.smem_bytes(itemsize), sm90.dkdv_smem_bytes(itemsize)
+        m_blocks, n_blocks = int(params[0]["num_m_blocks"]), int(dkdv_params[0]["num_n_blocks"])
+        return (
+            Launch(_compile.get_function(dq_name, dq_smem), (m_blocks * x.batch_size, -(-width // sm90.dq_dcol)),
+                   sm90.threads, dq_smem, params),
+            Launch(_compile.get_function(dkdv_name, dkdv_smem), (n_blocks * x.batch_size, -(-width // sm90.dkdv_dcol)),
+                   sm90.threads, dkdv_smem, dkdv_params),
+        )
+    tiles = bwd_tiles(x.dtype_name, head_dim)
+    params = _params.bwd_params(x, tiles.resident)
+    delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
+    smem = tiles.smem_bytes(itemsize)
+    col_blocks = max(1, -(-width // tiles.dcol))
+    m_blocks, n_blocks = int(params[0]["num_m_blocks"]), int(params[0]["num_n_blocks"])
+    return (
+        Launch(_compile.get_function(delta_name, 0), (-(-x.batch_size * x.nq // 4),), 128, 0, params),
+        Launch(_compile.get_function(dkdv_name, smem), (n_blocks * x.batch_size, col_blocks), tiles.warps * 32, smem, params),
+        Launch(_compile.get_function(dq_name, smem), (m_blocks * x.batch_size, col_blocks), tiles.warps * 32, smem, params),
+    )

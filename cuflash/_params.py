@@ -60,34 +60,50 @@ def grid_group(x) -> int:
     return max(1, min(x.batch_size, GRID_GROUP_BYTES // max(1, entry_bytes)))
 
 
-def attn_params(inputs, out, lse, block_m: int) -> np.ndarray:
-    """One ``AttnParams`` record (a length-1 structured array) for a forward launch."""
-    return np.array([_attn_values(inputs, out, lse, block_m)], dtype=PARAMS_DTYPE)
+def attn_params(inputs, block_m: int) -> np.ndarray:
+    """One ``AttnParams`` record (a length-1 structured array) for a forward launch,
+    its pointers left 0 (``with_pointers`` fills them)."""
+    return np.array([_attn_values(inputs, block_m)], dtype=PARAMS_DTYPE)
 
 
-def bwd_params(inputs, out, lse, dout, delta, dq, dk, dv, resident: int) -> np.ndarray:
-    """One ``BwdParams`` record; query and key blocks of ``resident`` rows."""
-    values = _attn_values(inputs, out, lse, resident) + (
-        dout.data.ptr, delta.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, -(-inputs.nk // resident),
-    )
+def bwd_params(inputs, resident: int) -> np.ndarray:
+    """One ``BwdParams`` record, pointers left 0; query and key blocks of ``resident`` rows."""
+    values = _attn_values(inputs, resident) + (0, 0, 0, 0, 0, -(-inputs.nk // resident))
     return np.array([values], dtype=BWD_PARAMS_DTYPE)
+
+
+# The pointer fields, as 8-byte words of a record: q, k, v, out, lse first in both
+# records, then the backward's dout, delta, dq, dk, dv_grad right after AttnParams.
+_FWD_POINTERS = slice(0, 5)
+_BWD_POINTERS = slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)
+
+
+def with_pointers(params: np.ndarray, arrays) -> np.ndarray:
+    """A copy of a record with the data pointers of ``arrays`` (q, k, v, out, lse, and for
+    ``BwdParams`` dout, delta, dq, dk, dv), as a kernel argument (``kernel_arg``)."""
+    words = params.view(np.uint64).copy()
+    pointers = [a.data.ptr for a in arrays]
+    words[_FWD_POINTERS] = pointers[:5]
+    if len(pointers) > 5:
+        words[_BWD_POINTERS] = pointers[5:]
+    return kernel_arg(words)
 
 
 def kernel_arg(params: np.ndarray) -> np.ndarray:
     """A record as a kernel argument: one opaque element of its size. (CuPy passes a
     one-element NumPy array by value, and reads the description of a structured
     dtype at every launch, which takes longer than the rest of the launch.)"""
-    return params.view(np.dtype((np.void, params.itemsize)))
+    return params.view(np.dtype((np.void, params.nbytes)))
 
 
-def _attn_values(x, out, lse, block_m: int) -> tuple:
-    """The fields of ``AttnParams``, in order."""
+def _attn_values(x, block_m: int) -> tuple:
+    """The fields of ``AttnParams``, in order, pointers 0."""
     unbounded = x.nq + x.nk
     n = len(x.kernel_batch_shape)
     pad = (0,) * (MAX_BATCH_DIMS - n)
     q_strides, k_strides, v_strides = (tuple(st) + pad for st in x.kernel_batch_strides)
     return (
-        x.q.data.ptr, x.k.data.ptr, x.v.data.ptr, out.data.ptr, lse.data.ptr,
+        0, 0, 0, 0, 0,
         *x.row_strides,
         x.nq, x.nk, x.d, x.dv,
         unbounded if x.left is None else min(x.left, unbounded),

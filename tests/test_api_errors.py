@@ -306,8 +306,7 @@ def no_launch(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(_dispatch, "launch_forward", launched)
-    monkeypatch.setattr(_dispatch, "launch_backward", launched)
+    monkeypatch.setattr(_dispatch.Launch, "run", launched)
 
 
 def good(cupy, shape=(2, 5, 64), dtype="float16"):

@@ -97,3 +97,50 @@ def test_merged_batch_layout_addresses_the_same_elements(case):
                 b //= n
             expected = (full[idx].__array_interface__["data"][0] - x.__array_interface__["data"][0]) // x.itemsize
             assert offset == expected
+
+
+class _FakeArray:
+    """What a call signature reads from an array, without a GPU."""
+
+    def __init__(self, shape, strides, ptr, dtype=np.float16, device=0):
+        self.shape, self.strides, self.dtype = shape, strides, np.dtype(dtype)
+        self.data = type("Pointer", (), {"ptr": ptr})()
+        self.device = type("Device", (), {"id": device})()
+
+
+def test_call_signature_separates_what_the_checks_depend_on():
+    from cuflash import _plans
+
+    def sig(*arrays, causal=False, window=None, scale=None):
+        return _plans._signature("fwd", arrays, causal, window, scale)
+
+    a = _FakeArray((2, 8, 64), (1024, 128, 2), 4096)
+    base = sig(a, a, a)
+    assert base is not None and base == sig(a, a, _FakeArray((2, 8, 64), (1024, 128, 2), 8192))
+    others = [
+        sig(a, a, _FakeArray((2, 8, 64), (1024, 128, 2), 4098)),   # off a 16-byte boundary
+        sig(a, a, _FakeArray((2, 8, 64), (2048, 128, 2), 4096)),   # strides
+        sig(a, a, _FakeArray((2, 8, 64), (1024, 128, 2), 4096, np.float32)),
+        sig(a, a, _FakeArray((2, 8, 64), (1024, 128, 2), 4096, device=1)),
+        sig(a, a, a, causal=True), sig(a, a, a, causal=1),
+        sig(a, a, a, window=(4, None)), sig(a, a, a, window=(True, None)),
+        sig(a, a, a, scale=1.0), sig(a, a, a, scale=1),
+    ]
+    assert len({base, *others}) == 1 + len(others)
+    assert sig(a, a, np.zeros((2, 8, 64))) is None   # no device pointer: the checks report it
+    assert sig(a, a, a, window=iter((1, 2))) is None   # left for the checks, not consumed here
+    assert sig(a, a, a, scale=[1.0]) is None
+
+
+def test_pointers_land_in_their_fields():
+    record = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
+    record[0]["nq"], record[0]["num_n_blocks"] = 77, 5
+    names = ("q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv_grad")
+    arrays = [_FakeArray((1,), (2,), 4096 * (i + 1)) for i in range(len(names))]
+    arg = _params.with_pointers(record, arrays)
+    assert arg.shape == (1,) and arg.nbytes == record.nbytes
+    filled = arg.view(_params.BWD_PARAMS_DTYPE)[0]
+    assert [int(filled[n]) for n in names] == [4096 * (i + 1) for i in range(len(names))]
+    assert filled["nq"] == 77 and filled["num_n_blocks"] == 5 and record[0]["q"] == 0
+    fwd = _params.with_pointers(np.zeros(1, dtype=_params.PARAMS_DTYPE), arrays[:5]).view(_params.PARAMS_DTYPE)[0]
+    assert [int(fwd[n]) for n in names[:5]] == [4096 * (i + 1) for i in range(5)]
