@@ -22,7 +22,7 @@ import cupy
 import ml_dtypes  # noqa: F401
 
 import cuflash
-from cuflash import _compile, _dispatch
+from cuflash import _compile, _dispatch, _plans
 from cuflash._dispatch import BwdTiles, FwdTiles, Sm90BwdTiles, Sm90FwdTiles
 from bench_attention import median_ms  # noqa: I001  (this directory)
 
@@ -119,10 +119,12 @@ def tune(dtype, n, d, directions):
             expected = fn()
             for cand in candidates[d]:
                 setattr(_dispatch, attr, functools.partial(fixed, make(d, *cand)))
+                _plans.clear()  # a kept plan would launch the previous tiles
                 ms = median_ms(fn, [()], 20)
                 print(f"{direction} N={n} D={d} causal={causal:d} {cand}: {work / ms / 1e9:6.1f}"
                       f"{'' if agrees(fn(), expected) else '  DIFFERS from the default tiles'}", flush=True)
             setattr(_dispatch, attr, default)
+            _plans.clear()
 
 
 def agrees(got, expected) -> bool:

@@ -58,6 +58,12 @@ def _keep(key, plan: Plan) -> None:
         _plans[key] = plan
 
 
+def clear() -> None:
+    """Forgets every kept plan (after a change to the tile tables, say)."""
+    with _lock:
+        _plans.clear()
+
+
 def forward(q, k, v, causal, window, scale):
     """(plan, (q, k, v) as the kernels read them) of a forward call; raises as the checks do."""
     key = _signature("fwd", (q, k, v), causal, window, scale)
