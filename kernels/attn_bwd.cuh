@@ -14,9 +14,9 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 // lse in the log2 domain for p = exp2(scaled score - lse2); a row that sees no
 // key (lse = -inf) or lies past nq gets +inf, so its p is 0.
+__device__ __forceinline__ float lse_to_log2(float l) { return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E; }
 __device__ __forceinline__ float lse_log2(const float* lse, int row, int nq) {
-    const float l = row < nq ? lse[row] : -CUFLASH_INF;
-    return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E;
+    return lse_to_log2(row < nq ? lse[row] : -CUFLASH_INF);
 }
 
 // p from a raw score, rounded once in the exponent. MASKED: s is -inf where

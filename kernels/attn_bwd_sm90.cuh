@@ -18,6 +18,31 @@
 
 namespace cuflash {
 
+// lse and delta of a step's query rows for the dk/dv passes, one row per thread
+// below STEP. With Sm90BwdConfig::PREFETCH_ROW_STATS they are fetched into
+// registers a step before they are stored to shared memory: a global load
+// followed by its store holds the issuing warp, and with it its warpgroup's
+// products, for the load's whole latency.
+template <int STEP, int THREADS>
+struct QueryRowStats {
+    static_assert(STEP <= THREADS, "one query row per thread");
+    float lse = -CUFLASH_INF, delta = 0.f;   // raw; a row past nq: p = 0, ds = 0
+
+    __device__ __forceinline__ void fetch(const float* g_lse, const float* g_delta, int m0, int nq) {
+        const int row = m0 + int(threadIdx.x);
+        const bool inside = threadIdx.x < STEP && row < nq;
+        lse = inside ? g_lse[row] : -CUFLASH_INF;
+        delta = inside ? g_delta[row] : 0.f;
+    }
+    // into one stage's lse2 (log2 domain) and delta
+    __device__ __forceinline__ void store(float* s_lse2, float* s_delta) const {
+        if (threadIdx.x < STEP) {
+            s_lse2[threadIdx.x] = lse_to_log2(lse);
+            s_delta[threadIdx.x] = delta;
+        }
+    }
+};
+
 template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dkdv_sm90(const BwdParams p) {
@@ -67,11 +92,10 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
                                              p.q_row_stride, nq - m0, d);
         load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
-        for (int i = threadIdx.x; i < STEP; i += Cfg::THREADS) {
-            s_lse2[stage * STEP + i] = lse_log2(g_lse, m0 + i, nq);
-            s_delta[stage * STEP + i] = m0 + i < nq ? g_delta[m0 + i] : 0.f;
-        }
     };
+    QueryRowStats<STEP, Cfg::THREADS> stats;   // prefetched: of step mb + AHEAD, stored at step mb
+    auto fetch_stats = [&](int mb) { stats.fetch(g_lse, g_delta, mb * STEP, nq); };
+    auto store_stats = [&](int stage) { stats.store(s_lse2 + stage * STEP, s_delta + stage * STEP); };
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
     fill_zero(acc_dk);
@@ -86,9 +110,14 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         load_tile_async<RTile, Cfg::THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
 #pragma unroll
         for (int i = 0; i < Cfg::AHEAD; ++i) {
-            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
+            if (mb_begin + i < mb_end) {
+                load_step(mb_begin + i, i);
+                fetch_stats(mb_begin + i);
+                store_stats(i);
+            }
             cp_async_commit();
         }
+        if (Cfg::PREFETCH_ROW_STATS && mb_begin + Cfg::AHEAD < mb_end) fetch_stats(mb_begin + Cfg::AHEAD);
     }
     // With OVERLAP (Cfg) a step's gradient products are issued at the start of the
     // next step, behind its score products, and run while its p^T is formed; their
@@ -106,8 +135,14 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         cp_async_wait<Cfg::AHEAD - 1>();
         fence_async_shared();
         __syncthreads();         // step mb has landed; no product in flight reads the stage refilled next
-        if (mb + Cfg::AHEAD < mb_end) load_step(mb + Cfg::AHEAD, int(u32(stage + Cfg::AHEAD) % STAGES));
+        if (mb + Cfg::AHEAD < mb_end) {
+            const int ahead = int(u32(stage + Cfg::AHEAD) % STAGES);
+            load_step(mb + Cfg::AHEAD, ahead);
+            if (!Cfg::PREFETCH_ROW_STATS) fetch_stats(mb + Cfg::AHEAD);
+            store_stats(ahead);
+        }
         cp_async_commit();
+        if (Cfg::PREFETCH_ROW_STATS && mb + Cfg::AHEAD + 1 < mb_end) fetch_stats(mb + Cfg::AHEAD + 1);   // stored at the next step
         const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
         const float* lse2 = s_lse2 + stage * STEP;
         const float* delta = s_delta + stage * STEP;
@@ -247,11 +282,10 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
         load_tile_async<STile, THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
                                         p.q_row_stride, nq - m0, d);
         load_tile_async<STile, THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
-        for (int i = threadIdx.x; i < STEP; i += THREADS) {
-            s_lse2[stage * STEP + i] = lse_log2(g_lse, m0 + i, nq);
-            s_delta[stage * STEP + i] = m0 + i < nq ? g_delta[m0 + i] : 0.f;
-        }
     };
+    QueryRowStats<STEP, THREADS> stats;   // prefetched: of step mb + STAGES - 1, stored at step mb
+    auto fetch_stats = [&](int mb) { stats.fetch(g_lse, g_delta, mb * STEP, nq); };
+    auto store_stats = [&](int stage) { stats.store(s_lse2 + stage * STEP, s_delta + stage * STEP); };
 
     float acc[1][D_TILES][4];   // dv in warpgroup 0, dk in warpgroup 1
     fill_zero(acc);
@@ -264,17 +298,28 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
         load_tile_async<RTile, THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
+            if (mb_begin + i < mb_end) {
+                load_step(mb_begin + i, i);
+                fetch_stats(mb_begin + i);
+                store_stats(i);
+            }
             cp_async_commit();
         }
+        if (Cfg::PREFETCH_ROW_STATS && mb_begin + STAGES - 1 < mb_end) fetch_stats(mb_begin + STAGES - 1);
     }
     for (int mb = mb_begin; mb < mb_end; ++mb) {
         const int stage = int(u32(mb - mb_begin) % STAGES);
         cp_async_wait<STAGES - 2>();
         fence_async_shared();
         __syncthreads();         // step mb has landed, step mb-1 (and its exchange) is done everywhere
-        if (mb + STAGES - 1 < mb_end) load_step(mb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
+        if (mb + STAGES - 1 < mb_end) {
+            const int ahead = int(u32(stage + STAGES - 1) % STAGES);
+            load_step(mb + STAGES - 1, ahead);
+            if (!Cfg::PREFETCH_ROW_STATS) fetch_stats(mb + STAGES - 1);
+            store_stats(ahead);
+        }
         cp_async_commit();
+        if (Cfg::PREFETCH_ROW_STATS && mb + STAGES < mb_end) fetch_stats(mb + STAGES);   // stored at the next step
         const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
         const int m0 = mb * STEP;
 

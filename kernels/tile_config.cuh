@@ -102,6 +102,11 @@ struct Sm90BwdConfig {
     // stage a step refills was last read two steps back, by a product since waited for.
     static constexpr bool OVERLAP = STAGES >= 3;
     static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;
+    // The dk/dv passes fetch a step's lse and delta into registers a step before
+    // storing them (QueryRowStats). Not with two stages: those tiles (D = 128) sit
+    // at the register limit, where the two live registers cost more than the
+    // load latency they hide (measured).
+    static constexpr bool PREFETCH_ROW_STATS = OVERLAP;
 
     using ResidentTile = PanelTile<Storage, RESIDENT, HEAD_DIM>;
     using StepTile = PanelTile<Storage, STEP, HEAD_DIM>;
