@@ -43,9 +43,10 @@ SM90_FWD_CANDIDATES = {
 # (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages]) of the Hopper backward
 # (three or more stages: a step's gradient products run during the next step)
 SM90_BWD_CANDIDATES = {
-    64: [(64, 64, 64, 2, 3, 1), (64, 64, 64, 2, 3, 1, False, 128, 2), (64, 64, 64, 2, 3, 1, False, 128, 3)],
+    64: [(64, 64, 64, 2, 3, 1, False, 128, 3), (64, 64, 64, 2, 4, 1, False, 128, 3),
+         (64, 64, 64, 2, 3, 1, False, 128, 4), (64, 64, 64, 2, 4, 1, False, 128, 4)],
     128: [(128, 128, 64, 2, 2, 1)],
-    256: [(128, 128, 32, 2, 3, 1), (128, 256, 32, 2, 3, 1), (256, 256, 32, 2, 3, 1, True)],
+    256: [(256, 256, 32, 2, 3, 1, True), (256, 256, 32, 2, 4, 1, True), (128, 128, 32, 2, 3, 1)],
 }
 BWD_CANDIDATES = {
     64: [(64, 64, 4), (64, 32, 4)],
