@@ -41,12 +41,14 @@ SM90_FWD_CANDIDATES = {
     256: [(64, 2, 2, 1)],
 }
 # (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages]) of the Hopper backward
-# (three or more stages: a step's gradient products run during the next step)
+# (three or more stages: a step's gradient products run during the next step; one warpgroup
+# per block and two blocks per SM: no barrier between the two sets of 64 resident rows)
 SM90_BWD_CANDIDATES = {
     64: [(64, 64, 64, 2, 3, 1, False, 128, 3), (64, 64, 64, 2, 4, 1, False, 128, 3),
-         (64, 64, 64, 2, 3, 1, False, 128, 4), (64, 64, 64, 2, 4, 1, False, 128, 4)],
+         (64, 64, 64, 1, 3, 2, False, 128, 2), (64, 64, 64, 1, 3, 2, False, 64, 3),
+         (64, 64, 64, 1, 4, 2, False, 64, 4)],
     128: [(128, 128, 64, 2, 2, 1)],
-    256: [(256, 256, 32, 2, 3, 1, True), (256, 256, 32, 2, 4, 1, True), (128, 128, 32, 2, 3, 1)],
+    256: [(256, 256, 32, 2, 3, 1, True), (128, 128, 32, 2, 3, 1)],
 }
 BWD_CANDIDATES = {
     64: [(64, 64, 4), (64, 32, 4)],
