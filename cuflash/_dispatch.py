@@ -212,9 +212,11 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
     if head_dim == 256:
         return Sm90BwdTiles(256, 256, 256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
     if head_dim == 64:
-        # by measurement (bench/NOTES.md v6): gradient products overlapping the next
-        # step (3 stages), and dq over 128 keys per step
-        return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=2, stages=3, dq_step=128, dq_stages=3)
+        # by measurement (bench/NOTES.md v8): one warpgroup per block and two blocks
+        # per SM, with no barrier between them, so one block's exponentials run
+        # during the other's products; dk/dv's gradient products overlapping the
+        # next step (3 stages); dq over 128 keys per step
+        return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2)
     # three stages spill at head dim 128
     return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2)
 
