@@ -18,28 +18,46 @@
 
 namespace cuflash {
 
-// lse and delta of a step's query rows for the dk/dv passes, one row per thread
-// below STEP. With Sm90BwdConfig::PREFETCH_ROW_STATS they are fetched into
-// registers a step before they are stored to shared memory: a global load
-// followed by its store holds the issuing warp, and with it its warpgroup's
-// products, for the load's whole latency.
-template <int STEP, int THREADS>
+// lse and delta of each step's query rows for the dk/dv passes, one row per
+// thread below STEP, filled into a stage's buffers together with its Q and dO
+// tiles. PREFETCH (Sm90BwdConfig::PREFETCH_ROW_STATS): a step's values are
+// fetched into registers one fill early, since a global load followed by its
+// store holds the issuing warp, and with it its warpgroup's products, for the
+// load's whole latency.
+template <int STEP, int THREADS, bool PREFETCH>
 struct QueryRowStats {
     static_assert(STEP <= THREADS, "one query row per thread");
-    float lse = -CUFLASH_INF, delta = 0.f;   // raw; a row past nq: p = 0, ds = 0
+    const float* g_lse;
+    const float* g_delta;
+    float* s_lse2;    // [stage][STEP], log2 domain
+    float* s_delta;   // [stage][STEP]
+    int nq, mb_end;
+    float lse = -CUFLASH_INF, delta = 0.f;   // raw, of the step stored next; a row past nq: p = 0, ds = 0
 
-    __device__ __forceinline__ void fetch(const float* g_lse, const float* g_delta, int m0, int nq) {
-        const int row = m0 + int(threadIdx.x);
+    __device__ __forceinline__ QueryRowStats(const float* g_lse, const float* g_delta, float* s_lse2, float* s_delta,
+                                             int nq, int mb_end)
+        : g_lse(g_lse), g_delta(g_delta), s_lse2(s_lse2), s_delta(s_delta), nq(nq), mb_end(mb_end) {}
+
+    // before the first fill, which is of step mb
+    __device__ __forceinline__ void prime(int mb) {
+        if (PREFETCH) fetch(mb);
+    }
+    // stage `stage` gets step mb's rows (fills come in step order)
+    __device__ __forceinline__ void fill(int mb, int stage) {
+        if (!PREFETCH) fetch(mb);
+        if (threadIdx.x < STEP) {
+            s_lse2[stage * STEP + threadIdx.x] = lse_to_log2(lse);
+            s_delta[stage * STEP + threadIdx.x] = delta;
+        }
+        if (PREFETCH && mb + 1 < mb_end) fetch(mb + 1);
+    }
+
+  private:
+    __device__ __forceinline__ void fetch(int mb) {
+        const int row = mb * STEP + int(threadIdx.x);
         const bool inside = threadIdx.x < STEP && row < nq;
         lse = inside ? g_lse[row] : -CUFLASH_INF;
         delta = inside ? g_delta[row] : 0.f;
-    }
-    // into one stage's lse2 (log2 domain) and delta
-    __device__ __forceinline__ void store(float* s_lse2, float* s_delta) const {
-        if (threadIdx.x < STEP) {
-            s_lse2[threadIdx.x] = lse_to_log2(lse);
-            s_delta[threadIdx.x] = delta;
-        }
     }
 };
 
@@ -87,15 +105,14 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     const int mb_begin = m_lo / STEP;
     const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
 
+    QueryRowStats<STEP, Cfg::THREADS, Cfg::PREFETCH_ROW_STATS> stats(g_lse, g_delta, s_lse2, s_delta, nq, mb_end);
     auto load_step = [&](int mb, int stage) {
         const int m0 = mb * STEP;
         load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
                                              p.q_row_stride, nq - m0, d);
         load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
+        stats.fill(mb, stage);
     };
-    QueryRowStats<STEP, Cfg::THREADS> stats;   // prefetched: of step mb + AHEAD, stored at step mb
-    auto fetch_stats = [&](int mb) { stats.fetch(g_lse, g_delta, mb * STEP, nq); };
-    auto store_stats = [&](int stage) { stats.store(s_lse2 + stage * STEP, s_delta + stage * STEP); };
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
     fill_zero(acc_dk);
@@ -108,16 +125,12 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
         load_tile_async<RTile, Cfg::THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
         load_tile_async<RTile, Cfg::THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
+        stats.prime(mb_begin);
 #pragma unroll
         for (int i = 0; i < Cfg::AHEAD; ++i) {
-            if (mb_begin + i < mb_end) {
-                load_step(mb_begin + i, i);
-                fetch_stats(mb_begin + i);
-                store_stats(i);
-            }
+            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
             cp_async_commit();
         }
-        if (Cfg::PREFETCH_ROW_STATS && mb_begin + Cfg::AHEAD < mb_end) fetch_stats(mb_begin + Cfg::AHEAD);
     }
     // With OVERLAP (Cfg) a step's gradient products are issued at the start of the
     // next step, behind its score products, and run while its p^T is formed; their
@@ -135,14 +148,8 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         cp_async_wait<Cfg::AHEAD - 1>();
         fence_async_shared();
         __syncthreads();         // step mb has landed; no product in flight reads the stage refilled next
-        if (mb + Cfg::AHEAD < mb_end) {
-            const int ahead = int(u32(stage + Cfg::AHEAD) % STAGES);
-            load_step(mb + Cfg::AHEAD, ahead);
-            if (!Cfg::PREFETCH_ROW_STATS) fetch_stats(mb + Cfg::AHEAD);
-            store_stats(ahead);
-        }
+        if (mb + Cfg::AHEAD < mb_end) load_step(mb + Cfg::AHEAD, int(u32(stage + Cfg::AHEAD) % STAGES));
         cp_async_commit();
-        if (Cfg::PREFETCH_ROW_STATS && mb + Cfg::AHEAD + 1 < mb_end) fetch_stats(mb + Cfg::AHEAD + 1);   // stored at the next step
         const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
         const float* lse2 = s_lse2 + stage * STEP;
         const float* delta = s_delta + stage * STEP;
@@ -277,15 +284,14 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     const int mb_begin = m_lo / STEP;
     const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
 
+    QueryRowStats<STEP, THREADS, Cfg::PREFETCH_ROW_STATS> stats(g_lse, g_delta, s_lse2, s_delta, nq, mb_end);
     auto load_step = [&](int mb, int stage) {
         const int m0 = mb * STEP;
         load_tile_async<STile, THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
                                         p.q_row_stride, nq - m0, d);
         load_tile_async<STile, THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
+        stats.fill(mb, stage);
     };
-    QueryRowStats<STEP, THREADS> stats;   // prefetched: of step mb + STAGES - 1, stored at step mb
-    auto fetch_stats = [&](int mb) { stats.fetch(g_lse, g_delta, mb * STEP, nq); };
-    auto store_stats = [&](int stage) { stats.store(s_lse2 + stage * STEP, s_delta + stage * STEP); };
 
     float acc[1][D_TILES][4];   // dv in warpgroup 0, dk in warpgroup 1
     fill_zero(acc);
@@ -296,30 +302,20 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
         const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
         load_tile_async<RTile, THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
         load_tile_async<RTile, THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
+        stats.prime(mb_begin);
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (mb_begin + i < mb_end) {
-                load_step(mb_begin + i, i);
-                fetch_stats(mb_begin + i);
-                store_stats(i);
-            }
+            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
             cp_async_commit();
         }
-        if (Cfg::PREFETCH_ROW_STATS && mb_begin + STAGES - 1 < mb_end) fetch_stats(mb_begin + STAGES - 1);
     }
     for (int mb = mb_begin; mb < mb_end; ++mb) {
         const int stage = int(u32(mb - mb_begin) % STAGES);
         cp_async_wait<STAGES - 2>();
         fence_async_shared();
         __syncthreads();         // step mb has landed, step mb-1 (and its exchange) is done everywhere
-        if (mb + STAGES - 1 < mb_end) {
-            const int ahead = int(u32(stage + STAGES - 1) % STAGES);
-            load_step(mb + STAGES - 1, ahead);
-            if (!Cfg::PREFETCH_ROW_STATS) fetch_stats(mb + STAGES - 1);
-            store_stats(ahead);
-        }
+        if (mb + STAGES - 1 < mb_end) load_step(mb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
         cp_async_commit();
-        if (Cfg::PREFETCH_ROW_STATS && mb + STAGES < mb_end) fetch_stats(mb + STAGES);   // stored at the next step
         const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
         const int m0 = mb * STEP;
 
