@@ -31,9 +31,13 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<bf16>& a, c
 // The same 16x8x16 product for float32, on the FMA units: each thread gathers
 // the A row parts and B column parts it needs from the lanes that hold them.
 // Tensor cores accumulate with less than float32 rounding; this keeps float32
-// inputs as accurate as a float32 GEMM.
+// inputs as accurate as a float32 GEMM. The 16 products go to a fresh partial
+// sum that is then added to c: one FMA chain over a whole head dim (128 terms)
+// rounds 2-3x worse than a GEMM's blocked sums, and large logits carry that
+// error of the scores into the exponent.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<f32>& a, const FragB<f32>& b) {
     const int lane = threadIdx.x % 32, quad = lane & ~3, t = lane & 3;
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int src = 0; src < 4; ++src) {   // the quad lane holding k = 2src, 2src+1, 2src+8, 2src+9
         float a_g[4], a_g8[4];            // A rows g and g+8 at those k
@@ -45,17 +49,16 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<f32>& a, co
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {     // output column 2t + j is B column n = 2t + j, held by lanes 4n..4n+3
-            float acc_g = c[j], acc_g8 = c[2 + j];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const float bk = __shfl_sync(0xffffffffu, b.r[i], 4 * (2 * t + j) + src);
-                acc_g = fmaf(a_g[i], bk, acc_g);
-                acc_g8 = fmaf(a_g8[i], bk, acc_g8);
+                part[j] = fmaf(a_g[i], bk, part[j]);
+                part[2 + j] = fmaf(a_g8[i], bk, part[2 + j]);
             }
-            c[j] = acc_g;
-            c[2 + j] = acc_g8;
         }
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[e] += part[e];
 }
 
 template <class T>

@@ -12,7 +12,7 @@ from conftest import (
     random_array,
     requires_gpu,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 pytestmark = requires_gpu
@@ -87,6 +87,8 @@ def problems(draw):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
+# float32, large logits: scores summed over d = 128 in one FMA chain were 2-3x less accurate than naive's
+@example(problem=("float32", 128, 128, 1, 12, (1, 2, 2), (1, 2, 1), {}, 8.0, False, 0))
 def test_forward_properties(problem):
     dtype, d, dv, nq, nk, q_batch, kv_batch, kwargs, logit_scale, strided, seed = problem
     rng = np.random.default_rng(seed)
