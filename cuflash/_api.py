@@ -18,7 +18,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     k : cupy.ndarray, shape (..., Nk, D)
     v : cupy.ndarray, shape (..., Nk, Dv)
         One dtype for all three: float16, bfloat16 or float32. D and Dv are
-        multiples of 8 up to 256 and may differ. Leading dims broadcast as in
+        any size up to 256 and may differ (sizes that are not a multiple of 8
+        are zero-padded into a copy, which changes no result). Leading dims broadcast as in
         NumPy, which is how batches, heads and grouped-query attention are
         written: k, v of shape (B, Hkv, 1, Nk, D) against q of shape
         (B, Hkv, G, Nq, D). Views with a contiguous last axis (a (B, N, H, D)
@@ -51,13 +52,15 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     --------
     cuflash.reference.attention : the NumPy float64 version of the same function.
     """
-    plan, (q, k, v) = _plans.forward(q, k, v, causal, window, scale)
+    plan, inputs = _plans.forward(q, k, v, causal, window, scale)
     cupy = _checks.require_cupy()
     with cupy.cuda.Device(plan.device):
-        out = cupy.empty(plan.shapes[0], dtype=q.dtype)
+        out = cupy.empty(plan.shapes[0], dtype=inputs[0].dtype)
         lse = cupy.empty(plan.shapes[1], dtype=cupy.float32)
         for launch in plan.launches:
-            launch.run((q, k, v, out, lse))
+            launch.run(inputs + (out, lse))
+        if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0
+            out = cupy.ascontiguousarray(out[..., : v.shape[-1]])
     return (out, lse) if return_lse else out
 
 
@@ -98,11 +101,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             delta = cupy.empty(plan.shapes[3], dtype=cupy.float32)
             for launch in plan.launches:
                 launch.run((q, k, v, out, lse, dout, delta, dq, dk, dv))
-        # gradients of broadcast inputs: summed over the broadcast dims, in float32
-        return tuple(
-            g if g.shape == x.shape else _checks.sum_to_shape(g.astype(cupy.float32), x.shape).astype(g.dtype)
-            for g, x in zip((dq, dk, dv), orig)
-        )
+        return tuple(_gradient_of(cupy, g, x) for g, x in zip((dq, dk, dv), orig))
+
+
+def _gradient_of(cupy, g, x):
+    """The gradient of input x from the kernels' g: the head dim's padding sliced off,
+    and summed (in float32) over the dims along which x was broadcast."""
+    g = g[..., : x.shape[-1]]
+    if g.shape == x.shape:
+        return cupy.ascontiguousarray(g)
+    return _checks.sum_to_shape(g.astype(cupy.float32), x.shape).astype(g.dtype)
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _gpu
 from ._mask import normalize_window
 from ._params import MAX_BATCH_DIMS
 
@@ -77,11 +78,25 @@ def check_scale(scale, d: int) -> float:
 
 
 def check_head_dim(name: str, axis: str, n: int) -> None:
-    if n > MAX_HEAD_DIM or n % HEAD_DIM_MULTIPLE:
-        raise ValueError(
-            f"{name} has {axis} {n}; cuflash supports head dims that are multiples of "
-            f"{HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} (pad the last axis with zeros to use others)"
-        )
+    if n > MAX_HEAD_DIM:
+        raise ValueError(f"{name} has {axis} {n}; cuflash supports head dims up to {MAX_HEAD_DIM}")
+
+
+def pad_head_dim(xp, x):
+    """x with its last axis zero-padded to a multiple of HEAD_DIM_MULTIPLE, or x itself.
+
+    The kernels move rows in 16-byte chunks; zero columns change no score q.k and give
+    zero output columns, which the callers slice off (as FlashAttention-2 pads). Dims
+    that x broadcasts along (stride 0) stay broadcast. ``xp`` is numpy or cupy.
+    """
+    n = x.shape[-1]
+    width = -(-n // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+    if width == n:
+        return x
+    compact = x[tuple(slice(0, 1) if s == 0 else slice(None) for s in x.strides[:-1])]
+    padded = xp.zeros(compact.shape[:-1] + (width,), dtype=x.dtype)
+    padded[..., :n] = compact
+    return xp.broadcast_to(padded, x.shape[:-1] + (width,))
 
 
 def require_cupy():
@@ -90,27 +105,18 @@ def require_cupy():
         import cupy
     except ImportError as err:
         raise ImportError(
-            "cuflash's GPU functions need CuPy: pip install 'cuflash[cuda12]' (or [cuda13] "
-            "for a CUDA 13 driver). cuflash.reference works without it."
+            f"cuflash's GPU functions need CuPy; {_gpu.cupy_import_problem(err)}. "
+            "cuflash.reference works without it."
         ) from err
     return cupy
 
 
-_gpu_error: str | None = None
-
-
-def require_gpu(cupy) -> None:
-    """Raises RuntimeError, saying what is missing, when CuPy sees no CUDA GPU."""
-    global _gpu_error
-    if _gpu_error is None:
-        try:
-            count = cupy.cuda.runtime.getDeviceCount()
-            _gpu_error = "" if count > 0 else "CUDA reports no devices"
-        except Exception as err:  # noqa: BLE001 (whatever fails here, there is no usable GPU)
-            _gpu_error = f"{type(err).__name__}: {err}"
-    if _gpu_error:
+def require_gpu() -> None:
+    """Raises RuntimeError, saying exactly what is missing, when the GPU functions cannot run."""
+    problem = _gpu.problem()
+    if problem:
         raise RuntimeError(
-            f"cuflash's GPU functions need an NVIDIA GPU and driver; none was found ({_gpu_error}). "
+            f"cuflash's GPU functions need an NVIDIA GPU: {problem}. "
             "cuflash.reference runs the same computation with NumPy on the CPU."
         )
 
@@ -194,8 +200,9 @@ class AttnInputs:
     batch_shape: tuple[int, ...]  # broadcast batch dims, as the user sees them
     nq: int
     nk: int
-    d: int
+    d: int  # head dims as the kernels see them: padded to a multiple of HEAD_DIM_MULTIPLE
     dv: int
+    given_dv: int  # v's head dim as given (out has it)
     left: int | None
     right: int | None
     scale: float
@@ -217,7 +224,7 @@ def _kernel_ready(cupy, x):
     """
     item = x.itemsize
     if x.flags.c_contiguous:
-        # rows of a multiple of 8 elements (check_head_dim) stay 16-byte aligned; a
+        # rows of a multiple of 8 elements (pad_head_dim) stay 16-byte aligned; a
         # contiguous view that starts off a 16-byte boundary is copied (fresh memory is aligned)
         return x if x.data.ptr % 16 == 0 else x.copy()
     aligned = x.data.ptr % 16 == 0 and all(
@@ -275,7 +282,7 @@ def attention_inputs(q, k, v, causal, window, scale, **more) -> AttnInputs:
     # Types first: a non-CuPy input on a machine without a GPU gets the conversion hint,
     # not the no-GPU error (and no CuPy array exists without a GPU).
     check_cupy(cupy, q=q, k=k, v=v, **more)
-    require_gpu(cupy)
+    require_gpu()
     dtype_name = check_dtypes(q=q.dtype, k=k.dtype, v=v.dtype)
     check_devices(q=q, k=k, v=v, **more)
     batch_shape = check_shapes(q.shape, k.shape, v.shape)
@@ -284,12 +291,12 @@ def attention_inputs(q, k, v, causal, window, scale, **more) -> AttnInputs:
     check_head_dim("q", "head dim (last axis)", d)
     check_head_dim("v", "value head dim (last axis)", dv)
     left, right = normalize_window(causal, window)
-    scale = check_scale(scale, d)
-    q, k, v = (_kernel_ready(cupy, x) for x in (q, k, v))
+    scale = check_scale(scale, d)   # of the head dim as given, not as padded
+    q, k, v = (_kernel_ready(cupy, pad_head_dim(cupy, x)) for x in (q, k, v))
     kshape, kstrides = _batch_layout(batch_shape, (q, k, v))
     row_strides = tuple(x.strides[-2] // x.itemsize for x in (q, k, v))
     return AttnInputs(
-        q, k, v, dtype_name, batch_shape, nq, nk, d, dv, left, right, scale,
+        q, k, v, dtype_name, batch_shape, nq, nk, q.shape[-1], v.shape[-1], dv, left, right, scale,
         row_strides, kshape, kstrides,
     )
 
@@ -322,5 +329,6 @@ def backward_arrays(cupy, x: AttnInputs, **arrays):
 
     Their types and devices were checked by `attention_inputs`.
     """
-    check_backward_arrays(x.batch_shape, x.nq, x.dv, x.q.dtype, **{n: (a.shape, a.dtype) for n, a in arrays.items()})
-    return tuple(_kernel_ready(cupy, cupy.ascontiguousarray(a)) for a in arrays.values())
+    check_backward_arrays(x.batch_shape, x.nq, x.given_dv, x.q.dtype, **{n: (a.shape, a.dtype) for n, a in arrays.items()})
+    padded = (a if n == "lse" else pad_head_dim(cupy, a) for n, a in arrays.items())   # out, dout: to dv
+    return tuple(_kernel_ready(cupy, cupy.ascontiguousarray(a)) for a in padded)

@@ -106,8 +106,8 @@ attn_fwd(const AttnParams p) {
         cp_async_wait<1>();      // block nb (and Q) have landed
         __syncthreads();
 
-        // s = q k^T for this warp's rows and the block's keys
-        float s[M_TILES][N_TILES][4];
+        // s = q k^T for this warp's rows and the block's keys (double for float32: common.cuh)
+        typename T::dot_sum s[M_TILES][N_TILES][4];
         fill_zero(s);
         mma_rows_rows<T, QTile, KTile, HEAD_DIM, Cfg::QK_UNROLL>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
 

@@ -27,12 +27,17 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 // rounded at that scale: 3e-6 relative, far below bfloat16's precision but not
 // float32's. float16 values are far from overflow, and its P needs all of
 // float16's range.
+// dot_sum: what dot products over the head dim sum in, and what the forward keeps
+// scores in until the row max is subtracted. float32 sums its exact products in
+// double: at logits of 1e4 a float32 score is off by up to half its ulp (1e-3),
+// which reaches the exponent and so the output; the difference score - max, small
+// where it matters, is rounded instead.
 // SPLIT_SCALE: float32 multiplies score differences by scale_log2 in two parts
 // (its float32 rounding and the remainder), so that a difference of tens does
 // not carry scale_log2's rounding error into the exponent at float32 precision.
-struct f16  { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 65504.f;         static constexpr int P_SHIFT = 0;  static constexpr bool SPLIT_SCALE = false; };
-struct bf16 { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 3.38953139e38f;  static constexpr int P_SHIFT = 32; static constexpr bool SPLIT_SCALE = false; };
-struct f32  { using storage = float; static constexpr int K_UNROLL = 2;  static constexpr float MAX_FINITE = 3.40282347e38f;  static constexpr int P_SHIFT = 0;  static constexpr bool SPLIT_SCALE = true; };
+struct f16  { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 65504.f;         static constexpr int P_SHIFT = 0;  static constexpr bool SPLIT_SCALE = false; using dot_sum = float; };
+struct bf16 { using storage = u16;   static constexpr int K_UNROLL = 16; static constexpr float MAX_FINITE = 3.38953139e38f;  static constexpr int P_SHIFT = 32; static constexpr bool SPLIT_SCALE = false; using dot_sum = float; };
+struct f32  { using storage = float; static constexpr int K_UNROLL = 2;  static constexpr float MAX_FINITE = 3.40282347e38f;  static constexpr int P_SHIFT = 0;  static constexpr bool SPLIT_SCALE = true;  using dot_sum = double; };
 
 // 2^x for softmax probabilities. 16-bit types take the hardware's approximate
 // exp2 (2 ulp, subnormal results flushed to 0: p below 2^-126 is far under their
@@ -95,14 +100,14 @@ template <> struct Load<f32> {
 };
 
 // Accumulator tiles (C fragments): clear and scale.
-template <int A, int B>
-__device__ __forceinline__ void fill_zero(float (&x)[A][B][4]) {
+template <class Acc, int A, int B>
+__device__ __forceinline__ void fill_zero(Acc (&x)[A][B][4]) {
 #pragma unroll
     for (int a = 0; a < A; ++a)
 #pragma unroll
         for (int b = 0; b < B; ++b)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) x[a][b][e] = 0.f;
+            for (int e = 0; e < 4; ++e) x[a][b][e] = Acc(0);
 }
 template <int A, int B>
 __device__ __forceinline__ void scale_by(float (&x)[A][B][4], float f) {

@@ -35,8 +35,8 @@ struct Band {
 // Writes -inf over the scores a row may not see. s holds the C fragments of
 // M_TILES x N_TILES m16n8 tiles; row0/col0 locate the warp's first element.
 // KEYS_IN_ROWS: the tile is transposed (rows are keys, columns queries).
-template <bool KEYS_IN_ROWS = false, int M_TILES, int N_TILES>
-__device__ __forceinline__ void apply_band(float (&s)[M_TILES][N_TILES][4], const Band& band, int row0, int col0) {
+template <bool KEYS_IN_ROWS = false, class Score, int M_TILES, int N_TILES>
+__device__ __forceinline__ void apply_band(Score (&s)[M_TILES][N_TILES][4], const Band& band, int row0, int col0) {
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)

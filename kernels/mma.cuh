@@ -28,16 +28,21 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<bf16>& a, c
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
 }
+__device__ __forceinline__ float fma_sum(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma_sum(double a, double b, double c) { return fma(a, b, c); }
+
 // The same 16x8x16 product for float32, on the FMA units: each thread gathers
 // the A row parts and B column parts it needs from the lanes that hold them.
 // Tensor cores accumulate with less than float32 rounding; this keeps float32
-// inputs as accurate as a float32 GEMM. The 16 products go to a fresh partial
-// sum that is then added to c: one FMA chain over a whole head dim (128 terms)
-// rounds 2-3x worse than a GEMM's blocked sums, and large logits carry that
-// error of the scores into the exponent.
-__device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<f32>& a, const FragB<f32>& b) {
+// inputs at least as accurate as a float32 GEMM. The 16 products go to a fresh
+// partial sum of type Acc that is then added to c. Dot products over the head
+// dim (mma_rows_rows: the scores, and dout v^T in the backward) sum in double,
+// where products of floats are exact (common.cuh: dot_sum). Products with P sum
+// in float, in 16-term partials (one FMA chain over 128 terms rounds 2-3x worse).
+template <class Acc>
+__device__ __forceinline__ void mma_16816(Acc (&c)[4], const FragA<f32>& a, const FragB<f32>& b) {
     const int lane = threadIdx.x % 32, quad = lane & ~3, t = lane & 3;
-    float part[4] = {0.f, 0.f, 0.f, 0.f};
+    Acc part[4] = {Acc(0), Acc(0), Acc(0), Acc(0)};
 #pragma unroll
     for (int src = 0; src < 4; ++src) {   // the quad lane holding k = 2src, 2src+1, 2src+8, 2src+9
         float a_g[4], a_g8[4];            // A rows g and g+8 at those k
@@ -51,9 +56,9 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<f32>& a, co
         for (int j = 0; j < 2; ++j) {     // output column 2t + j is B column n = 2t + j, held by lanes 4n..4n+3
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float bk = __shfl_sync(0xffffffffu, b.r[i], 4 * (2 * t + j) + src);
-                part[j] = fmaf(a_g[i], bk, part[j]);
-                part[2 + j] = fmaf(a_g8[i], bk, part[2 + j]);
+                const Acc bk = __shfl_sync(0xffffffffu, b.r[i], 4 * (2 * t + j) + src);
+                part[j] = fma_sum(Acc(a_g[i]), bk, part[j]);
+                part[2 + j] = fma_sum(Acc(a_g8[i]), bk, part[2 + j]);
             }
         }
     }
@@ -61,8 +66,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const FragA<f32>& a, co
     for (int e = 0; e < 4; ++e) c[e] += part[e];
 }
 
-template <class T>
-__device__ __forceinline__ void mma(float (&c)[4], const FragA<T>& a, const FragB<T>& b) { mma_16816(c, a, b); }
+template <class T, class Acc>
+__device__ __forceinline__ void mma(Acc (&c)[4], const FragA<T>& a, const FragB<T>& b) { mma_16816(c, a, b); }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -154,11 +159,12 @@ __device__ __forceinline__ void scores_to_a(FragA<T>& a, const float (&c0)[4], c
     a.r[2] = pack2<T>(c1[0], c1[1]);
     a.r[3] = pack2<T>(c1[2], c1[3]);
 }
-__device__ __forceinline__ void scores_to_a(FragA<f32>& a, const float (&c0)[4], const float (&c1)[4]) {
+template <class P>   // float, or double where the forward keeps float32 scores (common.cuh: dot_sum)
+__device__ __forceinline__ void scores_to_a(FragA<f32>& a, const P (&c0)[4], const P (&c1)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        a.r[e] = c0[e];
-        a.r[4 + e] = c1[e];
+        a.r[e] = float(c0[e]);
+        a.r[4 + e] = float(c1[e]);
     }
 }
 
@@ -168,8 +174,16 @@ __device__ __forceinline__ void scores_to_a(FragA<f32>& a, const float (&c0)[4],
 // with A and B both stored one row per output row/column (Q and K for Q K^T).
 // UNROLL: how far the loop over K unrolls (unrolled loops let the compiler hoist
 // fragment loads, which costs registers that a large warp tile may not have).
-template <class T, class ATile, class BTile, int K, int UNROLL = T::K_UNROLL, int M_TILES, int N_TILES>
-__device__ __forceinline__ void mma_rows_rows(float (&acc)[M_TILES][N_TILES][4], u32 s_a, int a_row0, u32 s_b) {
+// Sums in T::dot_sum (double for float32, common.cuh) and rounds once to acc's type.
+template <class T, class ATile, class BTile, int K, int UNROLL = T::K_UNROLL, class Acc, int M_TILES, int N_TILES>
+__device__ __forceinline__ void mma_rows_rows(Acc (&acc)[M_TILES][N_TILES][4], u32 s_a, int a_row0, u32 s_b) {
+    typename T::dot_sum sums[M_TILES][N_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sums[mt][nt][e] = acc[mt][nt][e];
 #pragma unroll UNROLL
     for (int k0 = 0; k0 < K; k0 += 16) {
         FragA<T> a[M_TILES];
@@ -181,17 +195,23 @@ __device__ __forceinline__ void mma_rows_rows(float (&acc)[M_TILES][N_TILES][4],
             Operands<T, BTile>::load_b_rows(b, s_b, n * 16, k0);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
-                mma(acc[mt][2 * n], a[mt], b[0]);
-                mma(acc[mt][2 * n + 1], a[mt], b[1]);
+                mma(sums[mt][2 * n], a[mt], b[0]);
+                mma(sums[mt][2 * n + 1], a[mt], b[1]);
             }
         }
     }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = Acc(sums[mt][nt][e]);
 }
 
 // acc[mt][nt] += P[mt] . B[0 .. 8 K_TILES, col0 + 8 nt + (0..8))
 // with P in registers (C fragments of K_TILES 8-wide tiles) and B stored row-major (V for P V).
-template <class T, class BTile, int M_TILES, int K_TILES, int N_TILES>
-__device__ __forceinline__ void mma_regs_cols(float (&acc)[M_TILES][N_TILES][4], const float (&p)[M_TILES][K_TILES][4],
+template <class T, class BTile, class P, int M_TILES, int K_TILES, int N_TILES>
+__device__ __forceinline__ void mma_regs_cols(float (&acc)[M_TILES][N_TILES][4], const P (&p)[M_TILES][K_TILES][4],
                                               u32 s_b, int col0) {
 #pragma unroll
     for (int j = 0; j < K_TILES / 2; ++j) {

@@ -48,8 +48,10 @@ struct OnlineSoftmax {
     // alpha: the factor that brings each row's earlier sums to the new m; l is
     // rescaled here, the output accumulator by rescale() (which may wait for
     // products still in flight).
-    template <bool MASKED, int N_TILES>
-    __device__ __forceinline__ void probabilities(float (&s)[M_TILES][N_TILES][4], float scale_log2,
+    // Score: float, or double for float32 (common.cuh: dot_sum), whose difference
+    // from m is then taken in double and rounded after the subtraction.
+    template <bool MASKED, class Score, int N_TILES>
+    __device__ __forceinline__ void probabilities(Score (&s)[M_TILES][N_TILES][4], float scale_log2,
                                                   float (&alpha)[M_TILES][2]) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
@@ -62,7 +64,7 @@ struct OnlineSoftmax {
 #pragma unroll
                     for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                        for (int e = 2 * h; e < 2 * h + 2; ++e) top = fmaxf(top, s[mt][nt][e]);
+                        for (int e = 2 * h; e < 2 * h + 2; ++e) top = fmaxf(top, float(s[mt][nt][e]));
                     m_new = fmaxf(m_old, quad_max(top));
                 } else {
                     float top = CUFLASH_INF;
@@ -70,7 +72,7 @@ struct OnlineSoftmax {
                     for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                            const float x = s[mt][nt][e];
+                            const float x = float(s[mt][nt][e]);
                             top = fminf(top, MASKED && x == -CUFLASH_INF ? CUFLASH_INF : x);
                         }
                     top = quad_min(top);
@@ -85,10 +87,11 @@ struct OnlineSoftmax {
                 for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        const float x = s[mt][nt][e];
-                        const float p = exp2_p<T>(exponent<T::P_SHIFT>(x - base, scale_log2));
-                        s[mt][nt][e] = MASKED && x == -CUFLASH_INF ? 0.f : p;
-                        sum += s[mt][nt][e];
+                        const Score x = s[mt][nt][e];
+                        const float p = exp2_p<T>(exponent<T::P_SHIFT>(float(x - base), scale_log2));
+                        const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
+                        s[mt][nt][e] = kept;
+                        sum += kept;
                     }
                 l[mt][h] = l[mt][h] * alpha[mt][h] + sum;
             }
@@ -105,8 +108,8 @@ struct OnlineSoftmax {
     }
 
     // Both steps at once, for products that have completed.
-    template <bool MASKED, int N_TILES, int D_TILES>
-    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4],
+    template <bool MASKED, class Score, int N_TILES, int D_TILES>
+    __device__ __forceinline__ void update(Score (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4],
                                            float scale_log2) {
         float alpha[M_TILES][2];
         probabilities<MASKED>(s, scale_log2, alpha);

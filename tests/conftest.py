@@ -8,21 +8,12 @@ import functools
 import numpy as np
 import pytest
 
-
-def _gpu_missing() -> str | None:
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install '.[cuda12]')"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return None
-    except Exception as err:  # no driver, no device
-        return f"no CUDA GPU available ({type(err).__name__}: {err})"
-    return "no CUDA GPU available"
+from cuflash import _gpu
 
 
-GPU_MISSING = _gpu_missing()
+# Why the GPU tests cannot run here (no CuPy, no driver, no GPU...), or None: the same
+# sentence cuflash's own errors give.
+GPU_MISSING = _gpu.problem()
 requires_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs a CUDA GPU: {GPU_MISSING}")
 
 
@@ -61,7 +52,8 @@ def eps(dtype) -> float:
 
 
 def assert_close_to_reference(name, result, naive, ref, dtype, c, term_scale=0.0):
-    """SPEC's criterion: max|result - ref| <= c * max|naive - ref| + atol, atol a few ulps.
+    """The accuracy criterion (docs/contract.md): max|result - ref| <= c * max|naive - ref| + atol,
+    atol a few ulps.
 
     The ulps are taken at unit scale, or at the scale of the result, or at `term_scale`, the
     size of intermediate terms that cancel in the result, whichever is largest.

@@ -52,7 +52,7 @@ def no_gpu_lookup(monkeypatch):
     """cupy installed; looking for the GPU fails the test (type errors must come first)."""
     pytest.importorskip("cupy")
 
-    def looked(cupy):
+    def looked():
         raise AssertionError("looked for the GPU before checking the argument types")
 
     monkeypatch.setattr(_checks, "require_gpu", looked)
@@ -101,7 +101,7 @@ def test_non_cupy_argument_is_named(name):
 def test_without_cupy_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now raises ImportError
     q = np.ones((4, 8), dtype=np.float16)
-    with pytest.raises(ImportError, match=r"need CuPy: pip install 'cuflash\[cuda12\]'"):
+    with pytest.raises(ImportError, match=r"need CuPy; CuPy is not installed: pip install cupy-cuda12x "):
         cuflash.attention(q, q, q)
     assert cuflash.reference.attention(q, q, q).shape == (4, 8)
 
@@ -175,14 +175,14 @@ def test_broadcast_batch_shape():
     assert _checks.check_shapes((2, 3, 4, 5, 8), (2, 3, 1, 7, 8), (3, 1, 7, 16)) == (2, 3, 4)
 
 
-@pytest.mark.parametrize("d", [4, 12, 264, 512])
+@pytest.mark.parametrize("d", [257, 264, 512])
 @pytest.mark.parametrize("name, axis", [("q", "head dim (last axis)"), ("v", "value head dim (last axis)")])
 def test_unsupported_head_dim(name, axis, d):
-    with pytest.raises(ValueError, match=has(f"{name} has {axis} {d}", "multiples of 8 up to 256")):
+    with pytest.raises(ValueError, match=has(f"{name} has {axis} {d}", "head dims up to 256")):
         _checks.check_head_dim(name, axis, d)
 
 
-@pytest.mark.parametrize("d", [0, 8, 64, 256])
+@pytest.mark.parametrize("d", [0, 1, 4, 7, 8, 12, 59, 64, 111, 255, 256])
 def test_supported_head_dim(d):
     _checks.check_head_dim("q", "head dim (last axis)", d)
 
@@ -371,20 +371,15 @@ FORWARD_CASES = {
         ValueError,
         ["must broadcast", "q.shape=(2, 5, 64)", "k.shape=(3, 5, 64)"],
     ),
-    "head-dim-12": (
-        lambda cp: {n: good(cp, (2, 5, 12)) for n in "qkv"},
-        ValueError,
-        ["q has head dim (last axis) 12", "multiples of 8 up to 256"],
-    ),
     "head-dim-264": (
         lambda cp: {n: good(cp, (2, 5, 264)) for n in "qkv"},
         ValueError,
         ["q has head dim (last axis) 264", "up to 256"],
     ),
     "value-head-dim": (
-        lambda cp: {"v": good(cp, (2, 5, 20))},
+        lambda cp: {"v": good(cp, (2, 5, 257))},
         ValueError,
-        ["v has value head dim (last axis) 20", "multiples of 8"],
+        ["v has value head dim (last axis) 257", "up to 256"],
     ),
     "negative-window": (
         lambda cp: {"window": (-1, None)},

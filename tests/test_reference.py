@@ -516,3 +516,56 @@ def test_block_needs_mask_is_exact(nq, nk, left, right, data):
         tile[:, : max(0, min(col_stop, nk) - col_start)],
         allowed(nq, nk, left, right)[row_start:row_stop, col_start:col_stop],
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Head dims that are not a multiple of 8: the kernels' zero padding changes no result
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    d=st.integers(1, 256),
+    dv=st.integers(1, 256),
+    nq=st.integers(1, 12),
+    nk=st.integers(1, 12),
+    mask=masks(6),
+    broadcast=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_padded_head_dims_give_the_same_results(d, dv, nq, nk, mask, broadcast, seed):
+    """What the GPU functions run for head dims that are not a multiple of 8: q, k, v (and
+    dout, out) zero-padded on the last axis, the scale of the given d, the padding sliced
+    off the results. The padded problem must give the same out, lse and gradients."""
+    from cuflash._checks import HEAD_DIM_MULTIPLE, pad_head_dim
+
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 3, nq, d))
+    kv_batch = (2, 1) if broadcast else (2, 3)   # broadcast k, v stay broadcast when padded
+    k = np.broadcast_to(rng.standard_normal(kv_batch + (nk, d)), (2, 3, nk, d))
+    v = np.broadcast_to(rng.standard_normal(kv_batch + (nk, dv)), (2, 3, nk, dv))
+    dout = rng.standard_normal((2, 3, nq, dv))
+    mask = dict(zip(("causal", "window"), mask))
+    out, lse = reference.attention(q, k, v, return_lse=True, **mask)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, **mask)
+
+    pq, pk, pv, pdout, pout = (pad_head_dim(np, x) for x in (q, k, v, dout, out))
+    for x, given_x in ((pq, q), (pk, k), (pv, v)):
+        assert x.shape[-1] % HEAD_DIM_MULTIPLE == 0 and x.shape[-1] - given_x.shape[-1] < HEAD_DIM_MULTIPLE
+        assert np.array_equal(x[..., : given_x.shape[-1]], given_x) and not x[..., given_x.shape[-1]:].any()
+    assert (pk.strides[1] == 0) == broadcast
+    scale = 1 / math.sqrt(d)
+    p_out, p_lse = reference.attention(pq, pk, pv, scale=scale, return_lse=True, **mask)
+    p_grads = reference.attention_backward(pdout, pq, pk, pv, pout, p_lse, scale=scale, **mask)
+    np.testing.assert_allclose(p_out[..., :dv], out, rtol=1e-12, atol=1e-12)
+    assert not p_out[..., dv:].any()
+    np.testing.assert_allclose(p_lse, lse, rtol=1e-12, atol=1e-12)
+    for g, pg in zip(grads, p_grads):
+        np.testing.assert_allclose(pg[..., : g.shape[-1]], g, rtol=1e-10, atol=1e-12)
+
+
+def test_padding_keeps_multiples_of_eight():
+    from cuflash._checks import pad_head_dim
+
+    x = np.ones((2, 5, 16))
+    assert pad_head_dim(np, x) is x
