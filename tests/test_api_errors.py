@@ -1,4 +1,4 @@
-"""SPEC's Errors: every bad input raises TypeError or ValueError before any kernel launch,
+"""The errors of docs/contract.md: every bad input raises TypeError or ValueError before any kernel launch,
 naming the argument, what was expected and what was given.
 
 The first part needs no GPU (it runs in CI): the public API with non-CuPy inputs, and the

@@ -4,7 +4,7 @@
   kernel, then the copies that write q, k, v) finishes before it reads its inputs.
 - Other streams busy with large matmuls change nothing in the results.
 - Many Python threads calling cuflash at once, compiling every kernel on first use, get
-  correct results (SPEC's criterion) and the same bits as a serial run.
+  correct results (the accuracy criterion of docs/contract.md) and the same bits as a serial run.
 - Arrays on device 1 run on device 1; arrays on two devices are refused before any launch.
 """
 

@@ -102,7 +102,7 @@ def _backward(dout, q, k, v, out, lse, **mask):
 
 
 def _check_forward(out, lse, q, k, v, **mask):
-    """SPEC's criterion for cuflash's `out`, `lse` on q, k, v (CuPy arrays of one batch shape):
+    """the accuracy criterion (docs/contract.md) for cuflash's `out`, `lse` on q, k, v (CuPy arrays of one batch shape):
     out against c = 2 times the naive CuPy error, lse within 1e-3. Returns the reference."""
     n_out = naive.attention(q, k, v, **mask)
     r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), return_lse=True, **mask)
@@ -112,7 +112,7 @@ def _check_forward(out, lse, q, k, v, **mask):
 
 
 def _check_backward(grads, dout, q, k, v, out, lse, **mask):
-    """SPEC's criterion (c = 3) for cuflash's gradients, as in tests/test_backward.py: the
+    """the accuracy criterion (docs/contract.md, c = 3) for cuflash's gradients, as in tests/test_backward.py: the
     naive chain runs on cuflash's out and lse, the reference on its own. q, k, v share
     their batch shape."""
     host = [cupy.asnumpy(x) for x in (q, k, v, dout)]
@@ -142,7 +142,7 @@ def _score_error_bound(hq, hk, scale, d):
 
 def _check_lse_float32(lse, r_lse, hq, hk, scale):
     """lse of float32 inputs with logits of 1e4: |lse - ref| <= 1e-3 + 4 eps32 |ref| + the
-    scores' own float32 rounding. SPEC's 1e-3 alone cannot hold there: float32's spacing
+    scores' own float32 rounding. The contract's 1e-3 alone cannot hold there: float32's spacing
     near 1e4 is 1e-3, and the products q.k themselves round at that scale."""
     lse = np.asarray(lse, dtype=np.float64)
     assert lse.shape == r_lse.shape
@@ -277,7 +277,7 @@ def _to_gpu(x, dtype):
 @pytest.mark.parametrize("flavor", ["gaussian", "integers", "shifted"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_float32_logits_of_1e4(flavor, causal):
-    """float32 with scale * q.k up to +-1e4: out and lse finite; out within SPEC's criterion,
+    """float32 with scale * q.k up to +-1e4: out and lse finite; out within the accuracy criterion (docs/contract.md),
     lse within 1e-3 plus float32's own resolution at 1e4 (see `_check_lse_float32`)."""
     hq, hk, hv = _f32_large_logit_inputs(flavor, seed=10 + causal)
     q, k, v = (_to_gpu(x, "float32") for x in (hq, hk, hv))
@@ -300,7 +300,7 @@ def test_float16_at_its_largest_values(d, causal):
     finite and out within 8 eps max|v| of the reference (out must saturate, not round past
     65504 to inf).
 
-    The naive CuPy version computes q k^T in float16, which overflows to inf here, so SPEC's
+    The naive CuPy version computes q k^T in float16, which overflows to inf here, so the
     c * naive criterion would be vacuous: the tolerance is absolute instead. At logits of
     1e10 float32 scores carry errors of ~1e5, so rows whose top keys nearly tie are checked
     against the hull of those keys' values (see `_check_huge_logits`)."""

@@ -1,8 +1,8 @@
 """Zero-copy interop with PyTorch and JAX through DLPack: examples/torch_interop.py and
 examples/jax_interop.py, imported and run.
 
-- The examples' results are as accurate as the frameworks' own attention (SPEC's factors
-  c = 2 and 3 over torch SDPA's or jax.nn.dot_product_attention's error, both against
+- The examples' results are as accurate as the frameworks' own attention (the accuracy
+  criterion's factors of docs/contract.md, c = 2 and 3, over torch SDPA's or jax.nn.dot_product_attention's error, both against
   float64), forward and backward, bfloat16 and float16.
 - The CuPy arrays are views of the frameworks' buffers (same address), cuflash reads the
   (B, N, H, D) -> (B, H, N, D) views in place, and the framework tensor made from out is
@@ -62,7 +62,7 @@ def jax_example():
 
 
 def assert_as_accurate(errors, dtype, framework):
-    """{name: (cuflash error, framework error, max |reference|)}: cuflash within SPEC's
+    """{name: (cuflash error, framework error, max |reference|)}: cuflash within the contract's
     factor of the framework's own error, plus a few ulps."""
     for name, (ours, theirs, size) in errors.items():
         c = 2 if name == "out" else 3
