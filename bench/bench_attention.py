@@ -27,11 +27,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import cupy  # noqa: E402
-import ml_dtypes  # noqa: E402,F401
-
 import cuflash  # noqa: E402
 from cuflash import naive  # noqa: E402
+
+try:   # --charts-from needs neither CuPy nor a GPU
+    import cupy
+    import ml_dtypes  # noqa: F401
+except ImportError:
+    cupy = None
 
 try:
     import torch
@@ -206,6 +209,10 @@ def main():
         draw_charts(saved["rows"], providers, args.out)
         print_table(saved["rows"], providers)
         return
+    try:
+        cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
+    except RuntimeError as err:
+        sys.exit(f"bench_attention.py: {err}")
     if args.quick:
         args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096]
     os.makedirs(args.out, exist_ok=True)

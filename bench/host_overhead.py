@@ -23,9 +23,15 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import cupy
+import cuflash  # noqa: E402
 
-import cuflash
+try:
+    cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
+except RuntimeError as err:
+    sys.exit(f"host_overhead.py: {err}")
+
+import cupy  # noqa: E402
+
 from bench_attention import median_ms  # noqa: I001  (this directory)
 
 

@@ -15,6 +15,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -22,9 +23,12 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cupy_backends.cuda.libs import nvrtc
+from cuflash import _compile, _dispatch, _gpu  # noqa: E402
 
-from cuflash import _compile, _dispatch
+try:   # NVRTC through CuPy; no GPU needed
+    from cupy_backends.cuda.libs import nvrtc
+except ImportError as err:
+    sys.exit(f"sass_report.py compiles with CuPy's NVRTC: {_gpu.cupy_import_problem(err)}")
 
 COUNTED = ("HGMMA", "HMMA", "LDSM", "LDGSTS", "MUFU.EX2", "FMUL", "FFMA", "FADD", "FMNMX", "SHFL", "BAR", "LDL", "STL")
 
@@ -90,6 +94,8 @@ def main():
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--dump", help="directory to write each kernel's SASS into")
     args = ap.parse_args()
+    if not (shutil.which("cuobjdump") or shutil.which("nvdisasm")):
+        sys.exit("sass_report.py: needs cuobjdump or nvdisasm (from the CUDA toolkit) on the PATH")
     names = args.names or default_names()
     print("| kernel | " + " | ".join(("total",) + COUNTED) + " |")
     print("|---" * (len(COUNTED) + 2) + "|")

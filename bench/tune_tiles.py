@@ -18,10 +18,16 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import cupy
-import ml_dtypes  # noqa: F401
+import cuflash  # noqa: E402
 
-import cuflash
+try:
+    cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
+except RuntimeError as err:
+    sys.exit(f"tune_tiles.py: {err}")
+
+import cupy  # noqa: E402
+import ml_dtypes  # noqa: E402,F401
+
 from cuflash import _compile, _dispatch, _plans
 from cuflash._dispatch import BwdTiles, FwdTiles, Sm90BwdTiles, Sm90FwdTiles
 from bench_attention import median_ms  # noqa: I001  (this directory)

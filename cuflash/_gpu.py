@@ -34,7 +34,7 @@ def problem() -> str | None:
 
 def cupy_import_problem(err: ImportError) -> str:
     """What an ImportError of ``import cupy`` means, and the install command that mends it."""
-    if isinstance(err, ModuleNotFoundError) and err.name == "cupy":
+    if isinstance(err, ModuleNotFoundError) and err.name in ("cupy", "cupy_backends"):
         return f"CuPy is not installed: {CUPY_INSTALL}"
     return f"CuPy is installed but cannot be imported ({err}); reinstall it: {CUPY_INSTALL}"
 

@@ -17,15 +17,24 @@ NumPy reference (cuflash.reference).
 from __future__ import annotations
 
 import os
-
-import cupy
-import jax
-import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (bfloat16 for CuPy)
-import numpy as np
+import sys
 
 import cuflash
-from cuflash import reference
+
+try:
+    cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
+    import jax
+    import jax.numpy as jnp
+except RuntimeError as err:
+    sys.exit(f"jax_interop.py: {err}")
+except ImportError:
+    sys.exit("jax_interop.py needs JAX with CUDA: pip install 'jax[cuda12]' (README, Interop)")
+
+import cupy  # noqa: E402
+import ml_dtypes  # noqa: E402,F401  (bfloat16 for CuPy)
+import numpy as np  # noqa: E402
+
+from cuflash import reference  # noqa: E402
 
 # JAX takes 75% of the GPU's memory when it first runs unless told not to; leave room
 # for CuPy. (Read when JAX starts its GPU backend, on first use, not at import.)
@@ -89,6 +98,10 @@ def run(dtype=jnp.bfloat16, causal=True, shape=(2, 512, 8, 64), seed=0):
 
 
 def main():
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        sys.exit(f"jax_interop.py: JAX {jax.__version__} has no GPU backend; pip install 'jax[cuda12]'")
     q = jax.random.normal(jax.random.key(1), (2, 512, 8, 64), dtype=jnp.bfloat16)
     print(f"zero-copy: CuPy's view of q starts at JAX's buffer: {to_cupy(q).data.ptr == q.unsafe_buffer_pointer()}")
     results = {}

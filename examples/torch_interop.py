@@ -13,12 +13,21 @@ against SDPA in float64.
 
 from __future__ import annotations
 
-import cupy
-import ml_dtypes  # noqa: F401  (bfloat16 for CuPy)
-import torch
-import torch.nn.functional as F
+import sys
 
 import cuflash
+
+try:
+    cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
+    import torch
+    import torch.nn.functional as F
+except RuntimeError as err:
+    sys.exit(f"torch_interop.py: {err}")
+except ImportError:
+    sys.exit("torch_interop.py needs PyTorch with CUDA: pip install torch (README, Interop)")
+
+import cupy  # noqa: E402
+import ml_dtypes  # noqa: E402,F401  (bfloat16 for CuPy)
 
 
 class _TorchStream:
@@ -109,6 +118,8 @@ def run(dtype=torch.bfloat16, causal=True, shape=(2, 512, 8, 64), seed=0):
 
 
 def main():
+    if not torch.cuda.is_available():
+        sys.exit(f"torch_interop.py: PyTorch {torch.__version__} has no CUDA; install a CUDA build (pip install torch)")
     q = torch.randn(2, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
     print(f"zero-copy: CuPy's view of q starts at q.data_ptr(): {to_cupy(q).data.ptr == q.data_ptr()}")
     results = {}

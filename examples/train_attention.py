@@ -14,11 +14,17 @@ gradient is checked once against finite differences before training.
 from __future__ import annotations
 
 import argparse
-
-import cupy as cp
-import numpy as np
+import sys
 
 import cuflash
+
+try:
+    cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
+except RuntimeError as err:
+    sys.exit(f"train_attention.py: {err}")
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
 
 B, N, D_MODEL, HEADS = 8, 256, 128, 4
 D_HEAD = D_MODEL // HEADS
