@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import numpy as np
 import pytest
 
 from cuflash import _gpu
+
+
+def pytest_report_header(config):
+    import cuflash
+
+    where = os.path.dirname(cuflash.__file__)
+    return f"cuflash {cuflash.__version__} from {where}; GPU tests: {'run' if GPU_MISSING is None else 'skipped'}"
 
 
 # Why the GPU tests cannot run here (no CuPy, no driver, no GPU...), or None: the same
