@@ -159,13 +159,20 @@ __device__ __forceinline__ void scores_to_a(FragA<T>& a, const float (&c0)[4], c
     a.r[2] = pack2<T>(c1[0], c1[1]);
     a.r[3] = pack2<T>(c1[2], c1[3]);
 }
-template <class P>   // float, or double where the forward keeps float32 scores (common.cuh: dot_sum)
-__device__ __forceinline__ void scores_to_a(FragA<f32>& a, const P (&c0)[4], const P (&c1)[4]) {
+// P: float, or double where the forward keeps float32 scores (common.cuh: dot_sum)
+template <class P>
+__device__ __forceinline__ void scores_to_a_f32(FragA<f32>& a, const P (&c0)[4], const P (&c1)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         a.r[e] = float(c0[e]);
         a.r[4 + e] = float(c1[e]);
     }
+}
+__device__ __forceinline__ void scores_to_a(FragA<f32>& a, const float (&c0)[4], const float (&c1)[4]) {
+    scores_to_a_f32(a, c0, c1);
+}
+__device__ __forceinline__ void scores_to_a(FragA<f32>& a, const double (&c0)[4], const double (&c1)[4]) {
+    scores_to_a_f32(a, c0, c1);
 }
 
 // Warp-level tile products; every score and gradient product of the kernels is one of these.
