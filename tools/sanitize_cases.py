@@ -6,8 +6,9 @@
 Covers float16, bfloat16 and float32; D in {64, 128, 256}; no mask, causal and a window;
 odd lengths (Nq = 67, Nk = 93); Nq > Nk with causal (rows that see no key) and with a
 window; a GQA broadcast (k, v shared by 3 query heads); D != Dv (40 and 72, both padded
-to the 96 head-dim bucket) on strided (B, N, H, D) -> (B, H, N, D) views. Each case runs the
-forward and the backward (attention_vjp).
+to the 96 head-dim bucket) on strided (B, N, H, D) -> (B, H, N, D) views; head dims that are
+not a multiple of 8 (59 and 13, zero-padded into copies). Each case runs the forward and the
+backward (attention_vjp).
 
 CuPy's memory pool is switched off, so that every array is its own cudaMalloc: memcheck
 then sees an access past the end of any array, and initcheck a read of bytes nothing
@@ -66,6 +67,9 @@ for dtype in ("float16", "bfloat16", "float32"):
     k = randn((2, 93, 3, 40), dtype).transpose(0, 2, 1, 3)
     v = randn((2, 93, 3, 72), dtype).transpose(0, 2, 1, 3)
     ok &= run_case(f"{dtype} D=40 Dv=72 strided window (30, None)", q, k, v, window=(30, None))
+    # D = 59, Dv = 13: zero-padded copies (to 64 and 16), the padding sliced off the results
+    q, k, v = randn((2, 67, 59), dtype), randn((2, 93, 59), dtype), randn((2, 93, 13), dtype)
+    ok &= run_case(f"{dtype} D=59 Dv=13 (padded) causal", q, k, v, causal=True)
 
 print("all outputs finite" if ok else "SOME OUTPUTS ARE NOT FINITE", flush=True)
 sys.exit(0 if ok else 1)
