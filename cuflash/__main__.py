@@ -136,8 +136,8 @@ def _naive_bytes(h, n) -> int:
 
 
 def _naive_chunk(b, h, n, free) -> int:
-    """Batch entries per naive call that keep its score matrices within a quarter of the free memory."""
-    return min(b, int(free // 4 // _naive_bytes(h, n)))
+    """Batch entries per naive call that keep its score matrices within half the free memory."""
+    return min(b, int(free // 2 // _naive_bytes(h, n)))
 
 
 def _median_ms(cupy, fn, repeat=20) -> float:

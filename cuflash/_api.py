@@ -19,10 +19,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     v : cupy.ndarray, shape (..., Nk, Dv)
         One dtype for all three: float16, bfloat16 or float32. D and Dv are
         any size up to 256 and may differ (sizes that are not a multiple of 8
-        are zero-padded into a copy, which changes no result). Leading dims broadcast as in
-        NumPy, which is how batches, heads and grouped-query attention are
-        written: k, v of shape (B, Hkv, 1, Nk, D) against q of shape
-        (B, Hkv, G, Nq, D). Views with a contiguous last axis (a (B, N, H, D)
+        are zero-padded into a copy, which changes no result). Leading dims
+        broadcast as in NumPy, which is how batches, heads and grouped-query
+        attention are written: k, v of shape (B, Hkv, 1, Nk, D) against q of
+        shape (B, Hkv, G, Nq, D). Views with a contiguous last axis (a (B, N, H, D)
         array transposed to (B, H, N, D), slices) are read in place.
     causal : bool, optional
         Row i sees key j only if ``j <= i + Nk - Nq`` (aligned to the
@@ -51,6 +51,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     See Also
     --------
     cuflash.reference.attention : the NumPy float64 version of the same function.
+    docs/contract.md : what the library promises (shapes, masks, accuracy, errors).
     """
     plan, inputs = _plans.forward(q, k, v, causal, window, scale)
     cupy = _checks.require_cupy()

@@ -75,3 +75,13 @@ def test_gpu_run_prints_its_problem_check_and_times(capsys):
     error = float(out.split("query rows 0..299: ")[1].split()[0])
     assert error < 2e-2
     assert "faster than naive CuPy attention" in out
+
+
+def test_default_naive_baseline_fits_a_16_gb_gpu():
+    """The default problem's naive baseline (B=4, H=16, N=4096: 4 GiB per float32 score copy of
+    the whole batch, several copies) runs one batch entry a call on a 16 GB GPU."""
+    b, h, n = (cli.DEFAULTS[name][0] for name in ("batch", "heads", "seqlen"))
+    free_16gb = 15 * 2**30   # what a 16 GB card has free beside the CUDA context
+    assert cli._naive_chunk(b, h, n, free_16gb) == 1
+    assert cli._naive_chunk(b, h, n, 140 * 2**30) == 4
+    assert cli._naive_chunk(b, h, n, 6 * 2**30) == 0   # then it is skipped, saying why
