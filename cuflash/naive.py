@@ -1,7 +1,9 @@
 """Plain CuPy attention: matmul, float32 softmax, matmul, with the full score matrix.
 
 The baseline that benchmarks time cuflash against, and the "naive" result of
-the numerical criterion (an error up to twice the naive one is accepted).
+the accuracy criterion (docs/contract.md: an error up to twice the naive one is
+accepted). CuPy's matmul needs cuBLAS, which the kernels do not: install cuflash
+with its cuda12-full (or cuda13-full) extra to use this module.
 """
 
 from __future__ import annotations
