@@ -1,0 +1,60 @@
+"""The README's performance table from a grid run's results.json.
+
+    python bench/summarize.py bench/results/<run>/results.json [--min-n 2048]
+
+Per (D, causal, direction): the range over N >= --min-n of cuflash / FlashAttention-2 for
+each dtype, of cuflash / cuDNN over both dtypes, and the TFLOP/s at the largest N; then the
+cells where cuflash trails FlashAttention-2 (target: at least 1.0, 0.9 at D = 256).
+Needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="results.json of bench/bench_attention.py")
+    ap.add_argument("--min-n", type=int, default=2048, help="smallest N in the ranges (default: 2048)")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
+        rows = json.load(f)["rows"]
+
+    def ratio(row, rival):
+        return row["tflops"]["cuflash"] / row["tflops"][rival]
+
+    long = [r for r in rows if r["N"] >= args.min_n]
+    n_max = max(r["N"] for r in rows)
+    label = f"{n_max // 1024}K" if n_max % 1024 == 0 else str(n_max)
+    print(f"| D | causal | dir | fp16 / FA2 | bf16 / FA2 | / cuDNN | cuflash at N = {label}, fp16 / bf16 (TFLOP/s) "
+          f"| FA2 at N = {label}, fp16 (TFLOP/s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    keys = sorted({(r["D"], r["causal"], r["direction"]) for r in rows}, key=lambda k: (k[0], k[1], k[2] != "fwd"))
+    for d, causal, direction in keys:
+        cell = [r for r in long if (r["D"], r["causal"], r["direction"]) == (d, causal, direction)]
+
+        def span(values):
+            return f"{min(values):.2f}–{max(values):.2f}"
+
+        fa2 = {dt: span([ratio(r, "torch-flash") for r in cell if r["dtype"] == dt]) for dt in ("float16", "bfloat16")}
+        cudnn = span([ratio(r, "torch-cudnn") for r in cell])
+        top = {r["dtype"]: r for r in rows
+               if (r["D"], r["causal"], r["direction"], r["N"]) == (d, causal, direction, n_max)}
+        print(f"| {d} | {'yes' if causal else 'no'} | {direction} | {fa2['float16']} | {fa2['bfloat16']} | {cudnn} "
+              f"| {top['float16']['tflops']['cuflash']:.0f} / {top['bfloat16']['tflops']['cuflash']:.0f} "
+              f"| {top['float16']['tflops']['torch-flash']:.0f} |")
+    below = [r for r in long if ratio(r, "torch-flash") < (0.9 if r["D"] == 256 else 1.0)]
+    print(f"\ntarget cells (N >= {args.min_n}): {len(long) - len(below)} of {len(long)} met")
+    for r in sorted(rows, key=lambda r: ratio(r, "torch-flash")):
+        if r["N"] < args.min_n and ratio(r, "torch-flash") < 1.0:
+            print(f"below FA2 at N = {r['N']}: {r['dtype']} D={r['D']} causal={r['causal']} {r['direction']} "
+                  f"{ratio(r, 'torch-flash'):.2f}")
+    for r in below:
+        print(f"below target: {r['dtype']} D={r['D']} causal={r['causal']} {r['direction']} N={r['N']} "
+              f"{ratio(r, 'torch-flash'):.2f}")
+
+
+if __name__ == "__main__":
+    main()
