@@ -332,3 +332,69 @@ def backward_arrays(cupy, x: AttnInputs, **arrays):
     check_backward_arrays(x.batch_shape, x.nq, x.given_dv, x.q.dtype, **{n: (a.shape, a.dtype) for n, a in arrays.items()})
     padded = (a if n == "lse" else pad_head_dim(cupy, a) for n, a in arrays.items())   # out, dout: to dv
     return tuple(_kernel_ready(cupy, cupy.ascontiguousarray(a)) for a in padded)
+
+
+def _check_max_seqlen(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)) or value < 0:
+        raise TypeError(f"{name} must be None or a non-negative int, got {value!r}")
+    return int(value)
+
+
+def packed_sequences(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
+                     max_seqlen_q=None, max_seqlen_k=None, check: bool = True) -> list[tuple[int, int, int, int]]:
+    """The query and key row ranges ``(q0, q1, k0, k1)`` of each packed sequence.
+
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` are host (NumPy) int32 arrays of shape (S + 1,):
+    sequence s owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and key rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of axis -2. With ``check`` they must start at 0,
+    never decrease and end at ``total_q`` and ``total_k``, and no sequence may be longer than
+    ``max_seqlen_q`` / ``max_seqlen_k`` where given; a ValueError names the array and the
+    first bad position. Without ``check`` every offset is clamped to ``[0, total]`` and a
+    sequence whose end lies before its start is empty, so no range leaves the arrays.
+    """
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    arrays = {}
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        cu = np.asarray(cu)
+        if cu.dtype != np.int32 or cu.ndim != 1 or cu.size < 1:
+            raise TypeError(
+                f"{name} must be a 1-dim int32 array of shape (S + 1,), got dtype {cu.dtype} and shape {cu.shape}"
+            )
+        arrays[name] = cu.astype(np.int64)
+    cu_q, cu_k = arrays.values()
+    if cu_q.size != cu_k.size:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (S + 1), got {cu_q.size} and {cu_k.size}"
+        )
+    if check:
+        for name, cu, total, axis_name, longest in (
+            ("cu_seqlens_q", cu_q, total_q, "q", max_seqlen_q),
+            ("cu_seqlens_k", cu_k, total_k, "k", max_seqlen_k),
+        ):
+            _check_offsets(name, cu, total, axis_name, longest)
+    else:
+        cu_q, cu_k = np.clip(cu_q, 0, total_q), np.clip(cu_k, 0, total_k)
+    return [
+        (int(cu_q[s]), int(max(cu_q[s], cu_q[s + 1])), int(cu_k[s]), int(max(cu_k[s], cu_k[s + 1])))
+        for s in range(cu_q.size - 1)
+    ]
+
+
+def _check_offsets(name: str, cu, total: int, axis_name: str, longest) -> None:
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0)) + 1
+        raise ValueError(f"{name} must not decrease, got {name}[{i}] = {cu[i]} after {name}[{i - 1}] = {cu[i - 1]}")
+    if cu[-1] != total:
+        raise ValueError(
+            f"{name} must end at {axis_name}.shape[-2] = {total}, got {name}[{cu.size - 1}] = {cu[-1]}"
+        )
+    if longest is not None and steps.size and steps.max() > longest:
+        s = int(np.argmax(steps > longest))
+        max_name = "max_seqlen_" + name[-1]
+        raise ValueError(f"{max_name} = {longest} is less than the length {steps[s]} of sequence {s} in {name}")

@@ -2,7 +2,9 @@
 
 `attention` and `attention_backward` have the signatures and semantics of
 `cuflash.attention` and `cuflash.attention_backward` (masks, broadcasting, fully masked rows),
-but take NumPy arrays and compute everything in float64 with the full score matrix.
+but take NumPy arrays and compute everything in float64 with the full score matrix. They also
+take packed variable-length sequences (``cu_seqlens_q``, ``cu_seqlens_k``; docs/contract.md),
+which the GPU functions do not take yet.
 
 `tiled_attention` computes the same forward the way the GPU kernel does: blocks of query rows,
 key blocks skipped outside the mask band, an online softmax in the log2 domain, masks applied
@@ -20,7 +22,7 @@ import numbers
 
 import numpy as np
 
-from ._checks import check_scale, check_shapes, sum_to_shape
+from ._checks import check_scale, check_shapes, packed_sequences, sum_to_shape
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
 
 __all__ = ["attention", "attention_backward", "tiled_attention"]
@@ -74,12 +76,30 @@ def _scores(q, k, batch, scale, left, right):
     return np.broadcast_to(s, batch + (nq, nk))
 
 
+def _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
+    """The (q0, q1, k0, k1) row ranges of packed sequences, or None for one dense problem."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return None
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together: give both or neither")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _as_host(name, cu)
+    return packed_sequences(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2], max_seqlen_q, max_seqlen_k,
+                            bool(check))
+
+
+def _as_host(name: str, x) -> None:
+    if type(x).__module__.split(".")[0] == "cupy":
+        raise TypeError(f"{name} must be a NumPy array, got a CuPy array; convert it with {name}.get()")
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
 
 
-def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False):
+def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` in float64.
 
     The NumPy twin of `cuflash.attention`, used as its test oracle.
@@ -116,6 +136,17 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         Multiplier of the scores; defaults to ``1 / sqrt(D)``.
     return_lse : bool, optional
         Also return the logsumexp of each row's scaled, masked scores.
+    cu_seqlens_q, cu_seqlens_k : int32 ndarray of shape (S + 1,), optional (both or neither)
+        Packed variable-length sequences along axis -2: sequence ``s`` owns query rows
+        ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``
+        and attends only its own keys; masks apply per sequence, with
+        ``off_s = Nk_s - Nq_s``. Rows of an empty key range give 0 and lse ``-inf``.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Upper bounds on the sequences' lengths (checked with ``check=True``).
+    check : bool, optional
+        Validate the offsets (start at 0, never decrease, end at the arrays' lengths), raising
+        ValueError at the first bad position. ``check=False`` clamps every offset to
+        ``[0, total]`` instead; rows no sequence owns give 0 and lse ``-inf``.
 
     Returns
     -------
@@ -133,6 +164,16 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     left, right = normalize_window(causal, window)
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
+    if packed is not None:
+        out = np.zeros(batch + (nq, dv))
+        lse = np.full(batch + (nq,), -np.inf)
+        for q0, q1, k0, k1 in packed:
+            out[..., q0:q1, :], lse[..., q0:q1] = attention(
+                q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], causal=causal, window=window,
+                scale=scale, return_lse=True,
+            )
+        return (out, lse) if return_lse else out
 
     if nk == 0:
         out = np.zeros(batch + (nq, dv))
@@ -274,7 +315,9 @@ def tiled_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                       check=True):
     """Exact gradients of `attention` with respect to q, k and v, in float64.
 
     The NumPy twin of `cuflash.attention_backward`. As in FlashAttention, the probabilities
@@ -298,7 +341,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         The forward's output.
     lse : array_like, shape broadcast(batch dims) + (Nq,)
         The forward's logsumexp (``return_lse=True``); ``-inf`` marks a row with no key.
-    causal, window, scale
+    causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
         As in the forward call that produced ``out`` and ``lse``.
 
     Returns
@@ -324,6 +367,18 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     ):
         if x.shape != want:
             raise ValueError(f"{name} must have shape {want}, got {x.shape}")
+    packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
+    if packed is not None:
+        grads = [np.zeros(x.shape) for x in (q, k, v)]
+        for q0, q1, k0, k1 in packed:
+            rows, keys = (..., slice(q0, q1), slice(None)), (..., slice(k0, k1), slice(None))
+            part = attention_backward(
+                dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., q0:q1],
+                causal=causal, window=window, scale=scale,
+            )
+            for g, region, dg in zip(grads, (rows, keys, keys), part):
+                g[region] += dg
+        return tuple(grads)
 
     # P = exp(S - lse) on allowed entries. Disallowed entries have S = -inf and give 0; rows
     # whose lse is not finite (no key to attend) are zeroed explicitly.

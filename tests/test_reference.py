@@ -569,3 +569,135 @@ def test_padding_keeps_multiples_of_eight():
 
     x = np.ones((2, 5, 16))
     assert pad_head_dim(np, x) is x
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences
+# ---------------------------------------------------------------------------------------------
+
+
+def packed_by_one_mask(q, k, v, dout, cu_q, cu_k, causal, window):
+    """Packed attention written independently of the reference's per-sequence loop: one
+    (total_q, total_k) softmax whose mask is block-diagonal, each block the sequence's own
+    bottom-right band. Returns out, lse and the gradients (summed over broadcast dims)."""
+    left, right = normalize_window(causal, window)
+    total_q, total_k = q.shape[-2], k.shape[-2]
+    mask = np.zeros((total_q, total_k), dtype=bool)
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        mask[q0:q1, k0:k1] = allowed(q1 - q0, k1 - k0, left, right)
+    scale = 1 / math.sqrt(q.shape[-1])
+    s_full = np.where(mask, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    s_full = np.broadcast_to(s_full, batch + (total_q, total_k))
+    seen = mask.any(axis=-1)[:, None]
+    m = np.where(seen, s_full, 0).max(axis=-1, keepdims=True, initial=-np.inf)
+    p = np.where(seen & mask, np.exp(s_full - np.where(seen, m, 0)), 0.0)
+    l_sum = p.sum(axis=-1, keepdims=True)
+    p = np.divide(p, l_sum, out=np.zeros_like(p), where=l_sum > 0)
+    out = p @ v
+    lse = np.where(seen[:, 0], (m + np.log(np.where(l_sum > 0, l_sum, 1)))[..., 0], -np.inf)
+    dp = dout @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdims=True))
+
+    def summed(g, shape):
+        g = g.sum(axis=tuple(range(g.ndim - len(shape))))
+        return g.sum(axis=tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1), keepdims=True)
+
+    grads = (summed(scale * ds @ k, q.shape), summed(scale * np.swapaxes(ds, -1, -2) @ q, k.shape),
+             summed(np.swapaxes(p, -1, -2) @ dout, v.shape))
+    return out, lse, grads
+
+
+@st.composite
+def packed_problems(draw):
+    n_seq = draw(st.integers(0, 5))
+    lengths_q = draw(st.lists(st.integers(0, 9), min_size=n_seq, max_size=n_seq))
+    lengths_k = draw(st.lists(st.integers(0, 9), min_size=n_seq, max_size=n_seq))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q, dtype=np.int64)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k, dtype=np.int64)]).astype(np.int32)
+    d, dv = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))   # GQA: (Hkv, G, total, D)
+    causal, window = draw(masks(6))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((hkv, group, int(cu_q[-1]), d)) * draw(st.sampled_from((1.0, 4.0)))
+    k = rng.standard_normal((hkv, 1, int(cu_k[-1]), d))
+    v = rng.standard_normal((hkv, 1, int(cu_k[-1]), dv))
+    dout = rng.standard_normal((hkv, group, int(cu_q[-1]), dv))
+    return q, k, v, dout, cu_q, cu_k, causal, window
+
+
+@settings(max_examples=80, deadline=None)
+@given(packed_problems())
+def test_packed_sequences_match_one_block_diagonal_mask(p):
+    q, k, v, dout, cu_q, cu_k, causal, window = p
+    mask = {"causal": causal, "window": window}
+    packing = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    out, lse = reference.attention(q, k, v, return_lse=True, **mask, **packing)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, **mask, **packing)
+    want_out, want_lse, want_grads = packed_by_one_mask(q, k, v, dout, cu_q, cu_k, causal, window)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-12, atol=1e-12)
+    for g, want, x in zip(grads, want_grads, (q, k, v)):
+        assert g.shape == x.shape
+        np.testing.assert_allclose(g, want, rtol=1e-10, atol=1e-10)
+    # check=False reads valid offsets the same way
+    out2, lse2 = reference.attention(q, k, v, return_lse=True, check=False, **mask, **packing)
+    assert np.array_equal(out2, out) and np.array_equal(lse2, lse)
+
+
+def test_packed_sequence_without_keys_and_empty_sequences():
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 5, 4)), rng.standard_normal((2, 5, 3))
+    cu_q = np.array([0, 0, 2, 6, 6], np.int32)   # sequence 0 empty, 3 empty
+    cu_k = np.array([0, 3, 3, 5, 5], np.int32)   # sequence 1 has no keys
+    out, lse = reference.attention(q, k, v, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert (out[:, 0:2] == 0).all() and np.isneginf(lse[:, 0:2]).all()
+    dense = reference.attention(q[:, 2:6], k[:, 3:5], v[:, 3:5], scale=0.5)
+    np.testing.assert_allclose(out[:, 2:6], dense, rtol=1e-12)
+
+
+def _cu(*values):
+    return np.array(values, dtype=np.int32)
+
+
+@pytest.mark.parametrize(
+    "given, exc, match",
+    [
+        ({"cu_seqlens_q": _cu(0, 4)}, ValueError, "give both or neither"),
+        ({"cu_seqlens_q": _cu(1, 4), "cu_seqlens_k": _cu(0, 5)}, ValueError,
+         r"cu_seqlens_q must start at 0, got cu_seqlens_q\[0\] = 1"),
+        ({"cu_seqlens_q": _cu(0, 3, 2, 4), "cu_seqlens_k": _cu(0, 1, 2, 5)}, ValueError,
+         r"cu_seqlens_q must not decrease, got cu_seqlens_q\[2\] = 2 after cu_seqlens_q\[1\] = 3"),
+        ({"cu_seqlens_q": _cu(0, 4), "cu_seqlens_k": _cu(0, 6)}, ValueError,
+         r"cu_seqlens_k must end at k.shape\[-2\] = 5, got cu_seqlens_k\[1\] = 6"),
+        ({"cu_seqlens_q": _cu(0, 4), "cu_seqlens_k": _cu(0, 2, 5)}, ValueError, "same length"),
+        ({"cu_seqlens_q": np.array([0, 4], np.int64), "cu_seqlens_k": _cu(0, 5)}, TypeError,
+         r"cu_seqlens_q must be a 1-dim int32 array of shape \(S \+ 1,\), got dtype int64"),
+        ({"cu_seqlens_q": _cu(0, 1, 4), "cu_seqlens_k": _cu(0, 2, 5), "max_seqlen_q": 2}, ValueError,
+         "max_seqlen_q = 2 is less than the length 3 of sequence 1 in cu_seqlens_q"),
+        ({"cu_seqlens_q": _cu(0, 4), "cu_seqlens_k": _cu(0, 5), "max_seqlen_k": -1}, TypeError,
+         "max_seqlen_k must be None or a non-negative int, got -1"),
+    ],
+)
+def test_packed_offsets_are_checked(given, exc, match):
+    q, k, v = np.ones((4, 8)), np.ones((5, 8)), np.ones((5, 8))
+    with pytest.raises(exc, match=match):
+        reference.attention(q, k, v, **given)
+
+
+def test_unchecked_offsets_are_clamped():
+    """check=False: offsets out of range are clamped to the arrays, a sequence that ends before
+    it starts is empty, and rows no sequence owns give 0 and lse -inf."""
+    rng = np.random.default_rng(8)
+    q, k, v = rng.standard_normal((6, 4)), rng.standard_normal((5, 4)), rng.standard_normal((5, 4))
+    cu_q = _cu(0, 2, 99)   # sequence 1 runs past the end: rows 2..5
+    cu_k = _cu(-7, 3, 1)   # sequence 0 from key 0, sequence 1 empty (ends before it starts)
+    out, lse = reference.attention(q, k, v, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, check=False)
+    np.testing.assert_allclose(out[:2], reference.attention(q[:2], k[:3], v[:3], scale=0.5), rtol=1e-12)
+    assert (out[2:] == 0).all() and np.isneginf(lse[2:]).all()
+    with pytest.raises(ValueError):
+        reference.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
