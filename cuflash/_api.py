@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from . import _checks, _plans
+from . import _checks, _dispatch, _plans
 
 
-def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False):
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
+    """The packed-sequence keywords as one dict, or None for a dense call."""
+    if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None:
+        return None
+    return {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+            "max_seqlen_k": max_seqlen_k, "check": check}
+
+
+def _tile_lists(cupy, launches):
+    """Fresh tile lists for a call over packed sequences, by their index in the arrays."""
+    return {index: cupy.empty((capacity, 2), dtype=cupy.int32) for index, capacity in launches.tile_lists}
+
+
+def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` on the GPU.
 
     A fused FlashAttention kernel: q, k and v stream through on-chip memory in
@@ -40,6 +54,19 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         Multiplies the scores; defaults to ``1 / sqrt(D)``.
     return_lse : bool, optional
         Also return the log-sum-exp of each row's scaled, masked scores.
+    cu_seqlens_q, cu_seqlens_k : cupy.ndarray of int32, shape (S + 1,), optional
+        Packed variable-length sequences (both or neither): sequence s owns query rows
+        ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``
+        of axis -2 and attends only its own keys, with masks aligned per sequence. One
+        launch covers every sequence, longest first. A ``(total, H, D)`` array transposed
+        to ``(H, total, D)`` is read in place.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Upper bounds on the lengths (checked with ``check=True``; not needed for speed).
+    check : bool, optional
+        With packed sequences: copy the offsets to the host (one synchronization) and raise
+        ValueError at the first bad one. ``check=False`` reads nothing back (CUDA graphs,
+        the fast path); bad offsets then give wrong rows, never a read or write outside
+        the arrays.
 
     Returns
     -------
@@ -53,19 +80,23 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     cuflash.reference.attention : the NumPy float64 version of the same function.
     docs/contract.md : what the library promises (shapes, masks, accuracy, errors).
     """
-    plan, inputs = _plans.forward(q, k, v, causal, window, scale)
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
+    plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed)
     cupy = _checks.require_cupy()
     with cupy.cuda.Device(plan.device):
-        out = cupy.empty(plan.shapes[0], dtype=inputs[0].dtype)
+        out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
         lse = cupy.empty(plan.shapes[1], dtype=cupy.float32)
-        for launch in plan.launches:
-            launch.run(inputs + (out, lse))
+        lists = _tile_lists(cupy, plan.launches)
+        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_dispatch.Q_TILES))
+        for launch in plan.launches.runs:
+            launch.run(arrays)
         if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0
             out = cupy.ascontiguousarray(out[..., : v.shape[-1]])
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
     """Gradients of ``attention`` with respect to q, k and v.
 
     Recomputes the scores block by block from q, k and the forward's ``lse``;
@@ -76,7 +107,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     ----------
     dout : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv)
         Gradient of the loss with respect to ``out``.
-    q, k, v, causal, window, scale
+    q, k, v, causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
         As given to ``attention``.
     out, lse : cupy.ndarray
         The forward's results (``attention(..., return_lse=True)``).
@@ -85,24 +116,39 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     -------
     dq, dk, dv : cupy.ndarray
         Shapes and dtypes of q, k, v; the gradient of a broadcast input is
-        summed over the dims it was broadcast along.
+        summed over the dims it was broadcast along. Where k and v are broadcast
+        along one dim of q (grouped-query attention), the kernels sum dk and dv over
+        each group as they go, with no temporary of the broadcast size.
 
     See Also
     --------
     cuflash.reference.attention_backward : the NumPy float64 version.
     """
     orig = (q, k, v)
-    plan, (q, k, v, out, lse, dout) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale)
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
+    plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
+                                                                   packed)
     cupy = _checks.require_cupy()
     # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
-    alloc = cupy.empty if plan.launches else cupy.zeros
+    alloc = cupy.empty if plan.launches.runs else cupy.zeros
     with cupy.cuda.Device(plan.device):
         dq, dk, dv = (alloc(shape, dtype=q.dtype) for shape in plan.shapes[:3])
-        if plan.launches:
+        if plan.launches.runs:
             delta = cupy.empty(plan.shapes[3], dtype=cupy.float32)
-            for launch in plan.launches:
-                launch.run((q, k, v, out, lse, dout, delta, dq, dk, dv))
+            lists = _tile_lists(cupy, plan.launches)
+            tiles = (lists.get(_dispatch.Q_TILES), lists.get(_dispatch.K_TILES))
+            arrays = (q, k, v, out, lse, cu_q, cu_k, *tiles, dout, delta, dq, dk, dv)
+            for launch in plan.launches.runs:
+                launch.run(arrays)
+        if plan.dkdv_entries is not None and plan.dkdv_entries[1] > 1:
+            dk, dv = (_sum_split(cupy, g, x) for g, x in ((dk, k), (dv, v)))
         return tuple(_gradient_of(cupy, g, x) for g, x in zip((dq, dk, dv), orig))
+
+
+def _sum_split(cupy, g, x):
+    """The grouped dk or dv from the kernels' partial sums over parts of each query group,
+    (before, split, after, nk, d): added in float32, in the shape of x as the kernels read it."""
+    return g.sum(axis=1, dtype=cupy.float32).astype(g.dtype).reshape(x.shape[:-2] + g.shape[-2:])
 
 
 def _gradient_of(cupy, g, x):
@@ -116,13 +162,15 @@ def _gradient_of(cupy, g, x):
     return _checks.sum_to_shape(g.astype(cupy.float32), x.shape).astype(g.dtype)
 
 
-def attention_vjp(q, k, v, *, causal=False, window=None, scale=None):
+def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
     runs ``attention`` and keeps only what the backward needs (q, k, v, out
     and the per-row logsumexp, O(N) extra); ``dq, dk, dv = vjp(dout)`` then
-    runs ``attention_backward``. The closure may be called more than once.
+    runs ``attention_backward``. The closure may be called more than once. The
+    keywords are those of ``attention``.
 
     Returns
     -------
@@ -131,7 +179,9 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None):
     vjp : callable
         ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v.
     """
-    mask = {"causal": causal, "window": window, "scale": scale}
+    mask = {"causal": causal, "window": window, "scale": scale, "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
+            "check": check}
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):

@@ -189,6 +189,81 @@ def check_devices(**arrays) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Packed variable-length sequences as the kernels read them (docs/contract.md)."""
+
+    cu_seqlens_q: object  # int32 CuPy arrays of S + 1 offsets, contiguous
+    cu_seqlens_k: object
+    num_seqs: int
+
+
+def query_group(batch_shape, shapes, kernel_shape, kernel_strides) -> tuple[int, int, int] | None:
+    """Native grouped-query attention: (kernel batch dim, size, q's stride along it) of the
+    one dim along which k and v are broadcast (size 1, or missing) and q is not, or None.
+
+    The dim may merge several of the given ones (heads and groups, say); it must be the only
+    kernel dim where k and v do not move, so that each K/V entry of the other dims has its
+    own gradient rows. Other patterns (k broadcast but not v, broadcasts along separate dims,
+    views expanded with stride 0) take the general path: gradients summed after the kernels.
+    """
+    nd = len(batch_shape)
+    _, k_sizes, v_sizes = ((1,) * (nd - len(s) + 2) + tuple(s[:-2]) for s in shapes)
+    grouped = []
+    for i, n in enumerate(batch_shape):
+        if n == 1:
+            continue
+        if (k_sizes[i] == 1) != (v_sizes[i] == 1):
+            return None
+        if k_sizes[i] == 1:
+            grouped.append(i)
+    if not grouped:
+        return None
+    size = math.prod(batch_shape[i] for i in grouped)
+    _, k_strides, v_strides = kernel_strides
+    still = [j for j in range(len(kernel_shape)) if k_strides[j] == 0 and v_strides[j] == 0]
+    if len(still) != 1 or kernel_shape[still[0]] != size:
+        return None
+    return still[0], size, kernel_strides[0][still[0]]
+
+
+def packed_inputs(cupy, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check) -> Packed | None:
+    """Checks the packed-sequence arguments of a GPU call (docs/contract.md); None when dense.
+
+    With ``check`` the offsets are copied to the host in one transfer and validated as in
+    `packed_sequences`; without it nothing is read back, and the kernels clamp every offset.
+    """
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        if max_seqlen_q is not None or max_seqlen_k is not None:
+            raise ValueError("max_seqlen_q and max_seqlen_k go with cu_seqlens_q and cu_seqlens_k")
+        return None
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together: give both or neither")
+    if not isinstance(check, (bool, np.bool_)):
+        raise TypeError(f"check must be True or False, got {check!r}")
+    check_cupy(cupy, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != np.int32 or cu.ndim != 1 or cu.size < 1:
+            raise TypeError(
+                f"{name} must be a 1-dim int32 array of shape (S + 1,), got dtype {cu.dtype} and shape {cu.shape}"
+            )
+    if cu_seqlens_q.size != cu_seqlens_k.size:
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must have the same length (S + 1), got "
+            f"{cu_seqlens_q.size} and {cu_seqlens_k.size}"
+        )
+    check_devices(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    total_q, total_k = q.shape[-2], k.shape[-2]
+    if check:
+        host = cupy.concatenate((cu_seqlens_q, cu_seqlens_k)).get()   # one synchronization
+        n = cu_seqlens_q.size
+        packed_sequences(host[:n], host[n:], total_q, total_k, max_seqlen_q, max_seqlen_k, True)
+    else:
+        _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    return Packed(cupy.ascontiguousarray(cu_seqlens_q), cupy.ascontiguousarray(cu_seqlens_k), cu_seqlens_q.size - 1)
+
+
 @dataclass
 class AttnInputs:
     """Validated forward inputs, laid out for a kernel launch."""
@@ -209,6 +284,9 @@ class AttnInputs:
     row_strides: tuple[int, int, int]  # elements between rows of q, k, v
     kernel_batch_shape: tuple[int, ...]  # batch dims after merging, <= MAX_BATCH_DIMS
     kernel_batch_strides: tuple[tuple[int, ...], ...]  # per tensor, 0 where broadcast
+    # (kernel batch dim, size, q's stride) of the query heads that share each K/V head, or None
+    group: tuple[int, int, int] | None = None
+    packed: Packed | None = None  # packed variable-length sequences along axis -2
 
     @property
     def batch_size(self) -> int:
@@ -271,12 +349,13 @@ def _batch_layout(batch_shape, arrays):
     return shape, per_tensor
 
 
-def attention_inputs(q, k, v, causal, window, scale, **more) -> AttnInputs:
+def attention_inputs(q, k, v, causal, window, scale, packed=None, **more) -> AttnInputs:
     """Checks the inputs of a forward or backward call; returns them laid out for a launch.
 
-    ``more`` holds the backward's other arrays (dout, out, lse): their types are checked
-    here with q, k, v, before the GPU is looked for, and their devices with q's;
-    `backward_arrays` checks the rest.
+    ``packed`` holds the packed-sequence keywords (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, check), checked by `packed_inputs`. ``more`` holds the backward's other
+    arrays (dout, out, lse): their types are checked here with q, k, v, before the GPU is
+    looked for, and their devices with q's; `backward_arrays` checks the rest.
     """
     cupy = require_cupy()
     # Types first: a non-CuPy input on a machine without a GPU gets the conversion hint,
@@ -292,12 +371,14 @@ def attention_inputs(q, k, v, causal, window, scale, **more) -> AttnInputs:
     check_head_dim("v", "value head dim (last axis)", dv)
     left, right = normalize_window(causal, window)
     scale = check_scale(scale, d)   # of the head dim as given, not as padded
+    sequences = packed_inputs(cupy, q, k, **packed) if packed else None
+    shapes = (q.shape, k.shape, v.shape)
     q, k, v = (_kernel_ready(cupy, pad_head_dim(cupy, x)) for x in (q, k, v))
     kshape, kstrides = _batch_layout(batch_shape, (q, k, v))
     row_strides = tuple(x.strides[-2] // x.itemsize for x in (q, k, v))
     return AttnInputs(
         q, k, v, dtype_name, batch_shape, nq, nk, q.shape[-1], v.shape[-1], dv, left, right, scale,
-        row_strides, kshape, kstrides,
+        row_strides, kshape, kstrides, query_group(batch_shape, shapes, kshape, kstrides), sequences,
     )
 
 

@@ -24,6 +24,7 @@ KERNEL_FILES = (
     "mask.cuh",
     "softmax.cuh",
     "tile_config.cuh",
+    "schedule.cuh",
     "attn_fwd.cuh",
     "attn_fwd_sm90.cuh",
     "attn_bwd.cuh",

@@ -8,6 +8,7 @@ is a table row here, never a new kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,7 @@ def head_dim_bucket(d: int, dv: int) -> int:
     raise ValueError(f"head dim {need} is above the largest supported, {MAX_HEAD_DIM}")
 
 
-def fwd_tiles(dtype_name: str, head_dim: int) -> FwdTiles:
+def fwd_tiles(dtype_name: str, head_dim: int, packed: bool = False) -> FwdTiles:
     """Tile shape of the forward kernel for one (dtype, head-dim bucket).
 
     Each warp keeps 16 rows x dv_block output accumulators in registers; the
@@ -60,16 +61,22 @@ def fwd_tiles(dtype_name: str, head_dim: int) -> FwdTiles:
         block_n = {32: 64, 64: 32, 96: 32}.get(head_dim, 16)
         dv_block = 64 if head_dim == 256 else head_dim
         return FwdTiles(head_dim, dv_block, block_m=64, block_n=block_n, warps=4)
-    # two 16-row tiles per warp halve the shared-memory reads of K and V per product
-    block_m = 128 if head_dim <= 128 else 64
+    # two 16-row tiles per warp halve the shared-memory reads of K and V per product; the
+    # packed-sequence kernels hold a few more registers and take two only up to head dim 64
+    block_m = 128 if head_dim <= (64 if packed else 128) else 64
     block_n = 64 if head_dim <= 128 else 32
     return FwdTiles(head_dim, head_dim, block_m=block_m, block_n=block_n, warps=4)
 
 
-def fwd_name(dtype_name: str, tiles: FwdTiles) -> str:
+def _flag(packed: bool) -> str:
+    """The PACKED template argument: the kernels' packed-sequence specialization or the dense one."""
+    return "true" if packed else "false"
+
+
+def fwd_name(dtype_name: str, tiles: FwdTiles, packed: bool = False) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    return f"cuflash::attn_fwd<{elem}, {t.head_dim}, {t.dv_block}, {t.block_m}, {t.block_n}, {t.warps}>"
+    return f"cuflash::attn_fwd<{elem}, {t.head_dim}, {t.dv_block}, {t.block_m}, {t.block_n}, {t.warps}, {_flag(packed)}>"
 
 
 @dataclass(frozen=True)
@@ -106,10 +113,11 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int) -> Sm90FwdTiles | None:
     return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2)
 
 
-def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles) -> str:
+def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    return f"cuflash::attn_fwd_sm90<{elem}, {t.head_dim}, {t.block_n}, {t.warpgroups}, {t.stages}, {t.min_blocks}>"
+    rest = f"{t.warpgroups}, {t.stages}, {t.min_blocks}, {_flag(packed)}"
+    return f"cuflash::attn_fwd_sm90<{elem}, {t.head_dim}, {t.block_n}, {rest}>"
 
 
 @dataclass(frozen=True)
@@ -143,11 +151,11 @@ def bwd_tiles(dtype_name: str, head_dim: int) -> BwdTiles:
     return BwdTiles(head_dim, dcol, step, warps=4)
 
 
-def bwd_names(dtype_name: str, tiles: BwdTiles) -> tuple[str, str, str]:
+def bwd_names(dtype_name: str, tiles: BwdTiles, packed: bool = False) -> tuple[str, str, str]:
     """(delta, dk/dv, dq) kernel name expressions."""
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    args = f"{elem}, {t.head_dim}, {t.dcol}, {t.step}, {t.warps}"
+    args = f"{elem}, {t.head_dim}, {t.dcol}, {t.step}, {t.warps}, {_flag(packed)}"
     return (f"cuflash::attn_bwd_delta<{elem}>", f"cuflash::attn_bwd_dkdv<{args}>", f"cuflash::attn_bwd_dq<{args}>")
 
 
@@ -221,17 +229,18 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
     return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2)
 
 
-def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles) -> tuple[str, str]:
+def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -> tuple[str, str]:
     """(dk/dv, dq) kernel name expressions."""
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
+    flag = _flag(packed)
     if t.wide_dkdv:
-        dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}>"
+        dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}, {flag}>"
     else:
-        rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}"
+        rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}, {flag}"
         dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>"
     dq_step, dq_stages = t.dq_pipeline
-    dq_rest = f"{dq_step}, {t.warpgroups}, {dq_stages}, {t.min_blocks}"
+    dq_rest = f"{dq_step}, {t.warpgroups}, {dq_stages}, {t.min_blocks}, {flag}"
     return dkdv, f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {dq_rest}>"
 
 
@@ -240,75 +249,193 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
     names = []
     for dt in ELEMENT_TYPES:
         for hd in HEAD_DIM_BUCKETS:
-            names.append(fwd_name(dt, fwd_tiles(dt, hd)))
-            names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd)) if n not in names)
-            sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
-            if sm90 is not None:
-                names.append(sm90_fwd_name(dt, sm90))
-                names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd)))
-    return names
+            for packed in (False, True):
+                sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
+                if sm90 is not None:   # then the portable kernels never run there
+                    names.append(sm90_fwd_name(dt, sm90, packed))
+                    names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd), packed))
+                else:
+                    names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
+                    names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
+    return names + ["cuflash::build_tile_list"]
+
+
+# The arrays of a call, in the order the launches' ``fields`` index them: a record's
+# pointer fields are filled from these (kernels/params.cuh), None giving a null pointer.
+FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles")
+BWD_ARRAYS = FWD_ARRAYS + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
+_FWD_FIELDS = tuple(range(8))
+_DQ_FIELDS = tuple(range(8)) + tuple(range(9, 14))
+_DKDV_FIELDS = tuple(range(7)) + tuple(range(8, 14))
+Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
+SCHEDULE_THREADS = 1024   # kernels/schedule.cuh
 
 
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a call: everything but the data pointers, which
-    ``run`` fills into a copy of the parameter record."""
+    ``run`` fills into a copy of the parameter record from the call's arrays."""
 
     fn: object
     grid: tuple[int, ...]
     threads: int
     smem: int
     params: np.ndarray  # AttnParams or BwdParams, pointers 0
+    fields: tuple[int, ...] = _FWD_FIELDS  # the record's pointers, as indices into the arrays
 
     def run(self, arrays) -> None:
-        self.fn(self.grid, (self.threads,), (_params.with_pointers(self.params, arrays),), shared_mem=self.smem)
+        record = _params.with_pointers(self.params, [arrays[i] for i in self.fields])
+        self.fn(self.grid, (self.threads,), (record,), shared_mem=self.smem)
 
 
-def forward_launches(x) -> tuple[Launch, ...]:
-    """The forward over the whole broadcast batch: one launch (with at least one query)."""
+@dataclass(frozen=True)
+class TileListLaunch:
+    """Builds the tile list ``arrays[index]`` of a launch over packed sequences
+    (kernels/schedule.cuh), from the offsets alone: no host synchronization."""
+
+    fn: object
+    args: tuple  # num_seqs, total_q, total_k, block, by_keys, heavy_last (int32)
+    index: int
+    capacity: int
+
+    def run(self, arrays) -> None:
+        cu_q, cu_k = arrays[5], arrays[6]
+        self.fn((1,), (SCHEDULE_THREADS,), (cu_q, cu_k, *self.args, arrays[self.index], np.int32(self.capacity)))
+
+
+@dataclass(frozen=True)
+class Launches:
+    """What a call runs, in order, and the tile lists to allocate for it
+    (rows of two int32: sequence, block), as (index into the arrays, capacity)."""
+
+    runs: tuple
+    tile_lists: tuple[tuple[int, int], ...] = ()
+    # grouped dk/dv: the kernels' dk and dv are (before, split, after, nk, d) over the
+    # K/V entries, summed over `split` partial groups when split > 1; None: not grouped
+    dkdv_entries: tuple[int, int, int] | None = None
+
+
+_sm_counts: dict = {}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _sm_counts[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    return n
+
+
+def _row_blocks(x, block: int, by_keys: bool, entries: int):
+    """(grid.x, tile-list capacity) of a launch over blocks of ``block`` query (or key) rows:
+    every block of every entry when dense (capacity 0); when packed, a list long enough for
+    any valid offsets, ceil(total / block) + S tiles, times the entries."""
+    rows = x.nk if by_keys else x.nq
+    if x.packed is None:
+        return -(-rows // block) * entries, 0
+    capacity = -(-rows // block) + x.packed.num_seqs
+    return capacity * entries, capacity
+
+
+def _tile_list(x, block: int, by_keys: bool, index: int, capacity: int) -> TileListLaunch:
+    fn = _compile.get_function("cuflash::build_tile_list", 0)
+    args = tuple(np.int32(a) for a in (x.packed.num_seqs, x.nq, x.nk, block, by_keys, not by_keys))
+    return TileListLaunch(fn, args, index, capacity)
+
+
+def forward_launches(x) -> Launches:
+    """The forward over the whole broadcast batch: one launch (with at least one query),
+    after the one that lists its tiles when the sequences are packed."""
     head_dim = head_dim_bucket(x.d, x.dv)
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     sm90 = sm90_fwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
     if sm90 is not None:
-        smem = sm90.smem_bytes(itemsize)
-        fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90), smem)
-        params = _params.attn_params(x, sm90.block_m)
-        return (Launch(fn, (int(params[0]["num_m_blocks"]) * x.batch_size,), sm90.threads, smem, params),)
-    tiles = fwd_tiles(x.dtype_name, head_dim)
-    smem = tiles.smem_bytes(itemsize)
-    fn = _compile.get_function(fwd_name(x.dtype_name, tiles), smem)
-    params = _params.attn_params(x, tiles.block_m)
-    grid = (int(params[0]["num_m_blocks"]) * x.batch_size, max(1, -(-x.dv // tiles.dv_block)))
-    return (Launch(fn, grid, tiles.warps * 32, smem, params),)
+        smem, block_m, threads, cols = sm90.smem_bytes(itemsize), sm90.block_m, sm90.threads, 1
+        fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90, x.packed is not None), smem)
+    else:
+        tiles = fwd_tiles(x.dtype_name, head_dim, x.packed is not None)
+        smem, block_m, threads, cols = tiles.smem_bytes(itemsize), tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
+        fn = _compile.get_function(fwd_name(x.dtype_name, tiles, x.packed is not None), smem)
+    params = _params.attn_params(x, block_m)
+    blocks, capacity = _row_blocks(x, block_m, False, x.batch_size)
+    main = Launch(fn, (blocks, max(1, cols)), threads, smem, params)
+    if not capacity:
+        return Launches((main,))
+    return Launches((_tile_list(x, block_m, False, Q_TILES, capacity), main), ((Q_TILES, capacity),))
 
 
-def backward_launches(x) -> tuple[Launch, ...]:
+def dkdv_layout(x, key_blocks: int, slots: int):
+    """The batch layout of the dk/dv pass and its K/V entries' shape (before, split, after),
+    or (the common layout, None) when it does not group.
+
+    Grouped, each block sums dk and dv over the query heads of its K/V head, so there are
+    G times fewer blocks. When that leaves fewer than two waves of blocks under a mask (one
+    wave without), each group is split in `split` parts (the smallest divisor of G that
+    fills the waves, at most G / 2) whose partial sums the call adds afterwards."""
+    layout = _params.batch_layout(x)
+    if x.group is None:
+        return layout, None
+    dim, size, q_stride = x.group
+    shape, strides = list(layout.shape), [list(st) for st in layout.strides]
+    entries = x.batch_size // size
+    waves = 1 if x.left is None and x.right is None else 2
+    split = 1
+    if entries * key_blocks < waves * slots and len(shape) < _params.MAX_BATCH_DIMS:
+        divisors = [r for r in range(2, size // 2 + 1) if size % r == 0]
+        enough = [r for r in divisors if entries * r * key_blocks >= waves * slots]
+        split = enough[0] if enough else (divisors[-1] if divisors else 1)
+    before, after = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    if split > 1:
+        shape[dim:dim + 1] = [split, size // split]
+        for st, moving in zip(strides, (q_stride, 0, 0)):
+            st[dim:dim + 1] = [moving * (size // split), moving]
+        dim += 1
+    grouped = _params.BatchLayout(
+        tuple(shape), tuple(tuple(st) for st in strides), entries * split, size // split, after, q_stride
+    )
+    return grouped, (before, split, after)
+
+
+def backward_launches(x) -> Launches:
     """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks
-    (on sm_90a: dq with delta, then dk/dv). With at least one query and one key."""
+    (on sm_90a: dq with delta, then dk/dv); with packed sequences, after the launches that
+    list their tiles. With at least one query and one key."""
     head_dim = head_dim_bucket(x.d, x.dv)
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     width = max(x.d, x.dv)
     sm90 = sm90_bwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
     if sm90 is not None:
-        dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90)
-        params = _params.bwd_params(x, sm90.resident)
-        dkdv_params = _params.bwd_params(x, sm90.dkdv_resident)
+        dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None)
+        dq_res, dkdv_res, threads = sm90.resident, sm90.dkdv_resident, sm90.threads
         dq_smem, dkdv_smem = sm90.smem_bytes(itemsize), sm90.dkdv_smem_bytes(itemsize)
-        m_blocks, n_blocks = int(params[0]["num_m_blocks"]), int(dkdv_params[0]["num_n_blocks"])
-        return (
-            Launch(_compile.get_function(dq_name, dq_smem), (m_blocks * x.batch_size, -(-width // sm90.dq_dcol)),
-                   sm90.threads, dq_smem, params),
-            Launch(_compile.get_function(dkdv_name, dkdv_smem), (n_blocks * x.batch_size, -(-width // sm90.dkdv_dcol)),
-                   sm90.threads, dkdv_smem, dkdv_params),
-        )
-    tiles = bwd_tiles(x.dtype_name, head_dim)
-    params = _params.bwd_params(x, tiles.resident)
-    delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles)
-    smem = tiles.smem_bytes(itemsize)
-    col_blocks = max(1, -(-width // tiles.dcol))
-    m_blocks, n_blocks = int(params[0]["num_m_blocks"]), int(params[0]["num_n_blocks"])
-    return (
-        Launch(_compile.get_function(delta_name, 0), (-(-x.batch_size * x.nq // 4),), 128, 0, params),
-        Launch(_compile.get_function(dkdv_name, smem), (n_blocks * x.batch_size, col_blocks), tiles.warps * 32, smem, params),
-        Launch(_compile.get_function(dq_name, smem), (m_blocks * x.batch_size, col_blocks), tiles.warps * 32, smem, params),
-    )
+        dq_cols, dkdv_cols = -(-width // sm90.dq_dcol), -(-width // sm90.dkdv_dcol)
+        per_sm = sm90.min_blocks
+    else:
+        tiles = bwd_tiles(x.dtype_name, head_dim)
+        delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None)
+        dq_res = dkdv_res = tiles.resident
+        dq_smem = dkdv_smem = tiles.smem_bytes(itemsize)
+        dq_cols = dkdv_cols = max(1, -(-width // tiles.dcol))
+        threads, per_sm = tiles.warps * 32, 2
+    key_blocks = -(-x.nk // dkdv_res) + (x.packed.num_seqs // 2 if x.packed else 0)
+    layout, entries = dkdv_layout(x, key_blocks, per_sm * sm_count())
+    dq_params = _params.bwd_params(x, dq_res)
+    dkdv_params = _params.bwd_params(x, dkdv_res, layout)
+    dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
+    dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
+    dq = Launch(_compile.get_function(dq_name, dq_smem), (dq_blocks, dq_cols), threads, dq_smem, dq_params, _DQ_FIELDS)
+    dkdv = Launch(_compile.get_function(dkdv_name, dkdv_smem), (dkdv_blocks, dkdv_cols), threads, dkdv_smem,
+                  dkdv_params, _DKDV_FIELDS)
+    if sm90 is not None:
+        runs = (dq, dkdv)
+    else:
+        delta = Launch(_compile.get_function(delta_name, 0), (-(-x.batch_size * x.nq // 4),), 128, 0, dq_params,
+                       _DQ_FIELDS)
+        runs = (delta, dkdv, dq)
+    if x.packed is None:
+        return Launches(runs, (), entries)
+    lists = (_tile_list(x, dq_res, False, Q_TILES, q_capacity), _tile_list(x, dkdv_res, True, K_TILES, k_capacity))
+    return Launches(lists + runs, ((Q_TILES, q_capacity), (K_TILES, k_capacity)), entries)

@@ -8,6 +8,7 @@ kernel checks the size at compile time.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,6 +17,7 @@ MAX_BATCH_DIMS = 8
 PARAMS_DTYPE = np.dtype(
     [
         ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("out", np.uint64), ("lse", np.uint64),
+        ("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("tiles", np.uint64),
         ("q_row_stride", np.int64), ("k_row_stride", np.int64), ("v_row_stride", np.int64),
         ("nq", np.int64), ("nk", np.int64), ("d", np.int64), ("dv", np.int64),
         ("window_left", np.int64), ("window_right", np.int64),
@@ -23,6 +25,7 @@ PARAMS_DTYPE = np.dtype(
         ("num_m_blocks", np.int64),
         ("batch_size", np.int64),
         ("grid_group", np.int64),
+        ("group_size", np.int64), ("group_inner", np.int64), ("q_group_stride", np.int64),
         ("batch_ndim", np.int64),
         ("batch_shape", np.int64, (MAX_BATCH_DIMS,)),
         ("q_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
@@ -46,7 +49,7 @@ BWD_PARAMS_DTYPE = np.dtype(
 GRID_GROUP_BYTES = 16 << 20
 
 
-def grid_group(x) -> int:
+def grid_group(x, entries: int) -> int:
     """Batch entries per group of a kernel's grid order (params.cuh: grid_position).
 
     Without a mask every block has the same work, and one entry per group keeps the
@@ -57,35 +60,55 @@ def grid_group(x) -> int:
     if x.left is None and x.right is None:
         return 1
     entry_bytes = max(x.nq, x.nk) * (x.d + x.dv) * x.q.itemsize
-    return max(1, min(x.batch_size, GRID_GROUP_BYTES // max(1, entry_bytes)))
+    return max(1, min(entries, GRID_GROUP_BYTES // max(1, entry_bytes)))
 
 
-def attn_params(inputs, block_m: int) -> np.ndarray:
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a launch walks the batch: its (merged) dims, each tensor's strides along
+    them (0 where broadcast), and for a grouped dk/dv pass the query group of each
+    K/V entry (params.cuh: group_size, group_inner, q_group_stride)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[tuple[int, ...], ...]  # q, k, v
+    entries: int  # batch entries the launch covers (K/V entries when grouped)
+    group_size: int = 1
+    group_inner: int = 1
+    q_group_stride: int = 0
+
+
+def batch_layout(x) -> BatchLayout:
+    """The layout of every launch but a grouped dk/dv pass."""
+    return BatchLayout(tuple(x.kernel_batch_shape), tuple(x.kernel_batch_strides), x.batch_size)
+
+
+def attn_params(inputs, block_m: int, layout: BatchLayout | None = None) -> np.ndarray:
     """One ``AttnParams`` record (a length-1 structured array) for a forward launch,
     its pointers left 0 (``with_pointers`` fills them)."""
-    return np.array([_attn_values(inputs, block_m)], dtype=PARAMS_DTYPE)
+    return np.array([_attn_values(inputs, block_m, layout or batch_layout(inputs))], dtype=PARAMS_DTYPE)
 
 
-def bwd_params(inputs, resident: int) -> np.ndarray:
+def bwd_params(inputs, resident: int, layout: BatchLayout | None = None) -> np.ndarray:
     """One ``BwdParams`` record, pointers left 0; query and key blocks of ``resident`` rows."""
-    values = _attn_values(inputs, resident) + (0, 0, 0, 0, 0, -(-inputs.nk // resident))
+    values = _attn_values(inputs, resident, layout or batch_layout(inputs)) + (0, 0, 0, 0, 0, -(-inputs.nk // resident))
     return np.array([values], dtype=BWD_PARAMS_DTYPE)
 
 
-# The pointer fields, as 8-byte words of a record: q, k, v, out, lse first in both
-# records, then the backward's dout, delta, dq, dk, dv_grad right after AttnParams.
-_FWD_POINTERS = slice(0, 5)
+# The pointer fields, as 8-byte words of a record: q, k, v, out, lse, cu_seqlens_q,
+# cu_seqlens_k, tiles first in both records, then the backward's dout, delta, dq, dk,
+# dv_grad right after AttnParams.
+FWD_POINTERS = 8
 _BWD_POINTERS = slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)
 
 
 def with_pointers(params: np.ndarray, arrays) -> np.ndarray:
-    """A copy of a record with the data pointers of ``arrays`` (q, k, v, out, lse, and for
-    ``BwdParams`` dout, delta, dq, dk, dv), as a kernel argument (``kernel_arg``)."""
+    """A copy of a record with the data pointers of ``arrays`` (the record's pointer
+    fields in order; None for a null pointer), as a kernel argument (``kernel_arg``)."""
     words = params.view(np.uint64).copy()
-    pointers = [a.data.ptr for a in arrays]
-    words[_FWD_POINTERS] = pointers[:5]
-    if len(pointers) > 5:
-        words[_BWD_POINTERS] = pointers[5:]
+    pointers = [0 if a is None else a.data.ptr for a in arrays]
+    words[:FWD_POINTERS] = pointers[:FWD_POINTERS]
+    if len(pointers) > FWD_POINTERS:
+        words[_BWD_POINTERS] = pointers[FWD_POINTERS:]
     return kernel_arg(words)
 
 
@@ -96,19 +119,20 @@ def kernel_arg(params: np.ndarray) -> np.ndarray:
     return params.view(np.dtype((np.void, params.nbytes)))
 
 
-def _attn_values(x, block_m: int) -> tuple:
+def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
     """The fields of ``AttnParams``, in order, pointers 0."""
     unbounded = x.nq + x.nk
-    n = len(x.kernel_batch_shape)
+    n = len(layout.shape)
     pad = (0,) * (MAX_BATCH_DIMS - n)
-    q_strides, k_strides, v_strides = (tuple(st) + pad for st in x.kernel_batch_strides)
+    q_strides, k_strides, v_strides = (tuple(st) + pad for st in layout.strides)
     return (
-        0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0,
         *x.row_strides,
         x.nq, x.nk, x.d, x.dv,
         unbounded if x.left is None else min(x.left, unbounded),
         unbounded if x.right is None else min(x.right, unbounded),
         x.scale * math.log2(math.e),
-        -(-x.nq // block_m), x.batch_size, grid_group(x),
-        n, tuple(x.kernel_batch_shape) + pad, q_strides, k_strides, v_strides,
+        -(-x.nq // block_m), layout.entries, grid_group(x, layout.entries),
+        layout.group_size, layout.group_inner, layout.q_group_stride,
+        n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides,
     )

@@ -6,7 +6,9 @@ data pointers: each array's type, dtype, shape, strides, device and whether it
 starts on a 16-byte boundary, and the mask and scale arguments with their types.
 Only calls that pass the checks are kept, and only those whose arrays the kernels
 read in place (no copy) and whose gradients need no sum over broadcast dims, so a
-kept plan runs exactly what the checked path would.
+kept plan runs exactly what the checked path would. Calls over packed sequences
+are kept only with ``check=False``: with ``check=True`` every call reads and
+checks the offsets.
 """
 
 from __future__ import annotations
@@ -26,21 +28,40 @@ _lock = threading.Lock()
 class Plan:
     device: int  # q's device: where the outputs live and the kernels run
     shapes: tuple[tuple[int, ...], ...]  # of the outputs: out and lse, or dq, dk, dv and delta
-    launches: tuple[_dispatch.Launch, ...]
+    launches: _dispatch.Launches
+    # the kernels' dk and dv shapes as (before, split, after) K/V entries (grouped), or None
+    dkdv_entries: tuple[int, int, int] | None = None
 
 
-def _signature(direction: str, arrays, causal, window, scale):
+def _packed_key(packed):
+    """The packed-sequence part of a signature: None when dense, False when not cacheable."""
+    if packed is None:
+        return None
+    if packed.get("check", True) is not False:
+        return False
+    cu_q, cu_k = packed["cu_seqlens_q"], packed["cu_seqlens_k"]
+    if cu_q is None or cu_k is None:
+        return False
+    return tuple((type(a), a.dtype, a.shape, a.strides, a.device.id) for a in (cu_q, cu_k)) + (
+        type(packed["max_seqlen_q"]), packed["max_seqlen_q"], type(packed["max_seqlen_k"]), packed["max_seqlen_k"]
+    )
+
+
+def _signature(direction: str, arrays, causal, window, scale, packed=None):
     """The cache key of a call, or None when an argument cannot be part of one (the checks
     then say what is wrong with it)."""
     if not (window is None or isinstance(window, (tuple, list))):
         return None
     try:
+        packed = _packed_key(packed)
+        if packed is False:
+            return None
         mask = (
             type(causal), causal,
             None if window is None else tuple((type(w), w) for w in window),
             type(scale), scale,
         )
-        key = (direction, mask) + tuple(
+        key = (direction, mask, packed) + tuple(
             (type(a), a.dtype, a.shape, a.strides, a.device.id, a.data.ptr % 16 == 0) for a in arrays
         )
         hash(key)
@@ -64,38 +85,56 @@ def clear() -> None:
         _plans.clear()
 
 
-def forward(q, k, v, causal, window, scale):
-    """(plan, (q, k, v) as the kernels read them) of a forward call; raises as the checks do."""
-    key = _signature("fwd", (q, k, v), causal, window, scale)
+def _packed_arrays(x):
+    """The offsets as the kernels read them: (cu_seqlens_q, cu_seqlens_k), None when dense."""
+    return (None, None) if x.packed is None else (x.packed.cu_seqlens_q, x.packed.cu_seqlens_k)
+
+
+def _same_offsets(x, packed) -> bool:
+    return x.packed is None or (x.packed.cu_seqlens_q is packed["cu_seqlens_q"]
+                                and x.packed.cu_seqlens_k is packed["cu_seqlens_k"])
+
+
+def forward(q, k, v, causal, window, scale, packed=None):
+    """(plan, (q, k, v, cu_seqlens_q, cu_seqlens_k) as the kernels read them) of a forward
+    call; raises as the checks do. ``packed``: the packed-sequence keywords, or None."""
+    key = _signature("fwd", (q, k, v), causal, window, scale, packed)
     plan = _plans.get(key)
     if plan is not None:
-        return plan, (q, k, v)
-    x = _checks.attention_inputs(q, k, v, causal, window, scale)
+        return plan, (q, k, v) + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
+    x = _checks.attention_inputs(q, k, v, causal, window, scale, packed)
     with x.q.device:
-        launches = _dispatch.forward_launches(x) if x.batch_size and x.nq else ()
+        launches = _dispatch.forward_launches(x) if x.batch_size and x.nq else _dispatch.Launches(())
     plan = Plan(x.q.device.id, (x.batch_shape + (x.nq, x.dv), x.batch_shape + (x.nq,)), launches)
-    if x.q is q and x.k is k and x.v is v:
+    if x.q is q and x.k is k and x.v is v and _same_offsets(x, packed):
         _keep(key, plan)
-    return plan, (x.q, x.k, x.v)
+    return plan, (x.q, x.k, x.v) + _packed_arrays(x)
 
 
-def backward(dout, q, k, v, out, lse, causal, window, scale):
-    """(plan, (q, k, v, out, lse, dout) as the kernels read them) of a backward call. A plan
-    without launches (no query or no key) stands for zero gradients."""
+def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None):
+    """(plan, (q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k) as the kernels read them)
+    of a backward call. A plan without launches (no query or no key) stands for zero gradients."""
     arrays = (q, k, v, out, lse, dout)
-    key = _signature("bwd", arrays, causal, window, scale)
+    key = _signature("bwd", arrays, causal, window, scale, packed)
     plan = _plans.get(key)
     if plan is not None:
-        return plan, arrays
-    x = _checks.attention_inputs(q, k, v, causal, window, scale, dout=dout, out=out, lse=lse)
+        return plan, arrays + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
+    x = _checks.attention_inputs(q, k, v, causal, window, scale, packed, dout=dout, out=out, lse=lse)
     cupy = _checks.require_cupy()
     out2, dout2, lse2 = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
-    shape = x.batch_shape
-    shapes = (shape + (x.nq, x.d), shape + (x.nk, x.d), shape + (x.nk, x.dv), shape + (x.nq,))
     with x.q.device:
-        launches = _dispatch.backward_launches(x) if x.batch_size and x.nq and x.nk else ()
-    plan = Plan(x.q.device.id, shapes, launches)
+        launches = _dispatch.backward_launches(x) if x.batch_size and x.nq and x.nk else _dispatch.Launches(())
+    shape, entries = x.batch_shape, launches.dkdv_entries
+    if entries is None:
+        k_rows, v_rows = shape, shape
+    elif entries[1] == 1:   # grouped: dk, dv have the shapes of k, v
+        k_rows, v_rows = x.k.shape[:-2], x.v.shape[:-2]
+    else:                   # grouped, in partial sums over `split` parts of each group
+        k_rows = v_rows = entries
+    shapes = (shape + (x.nq, x.d), k_rows + (x.nk, x.d), v_rows + (x.nk, x.dv), shape + (x.nq,))
+    plan = Plan(x.q.device.id, shapes, launches, entries)
     checked = (x.q, x.k, x.v, out2, lse2, dout2)
-    if launches and all(a is b for a, b in zip(checked, arrays)) and shapes[:3] == (q.shape, k.shape, v.shape):
+    if (launches.runs and all(a is b for a, b in zip(checked, arrays)) and _same_offsets(x, packed)
+            and shapes[:3] == (q.shape, k.shape, v.shape)):
         _keep(key, plan)
-    return plan, checked
+    return plan, checked + _packed_arrays(x)

@@ -78,9 +78,35 @@ __device__ __forceinline__ void store_rows(typename T::storage* g, const float (
     }
 }
 
-// dk and dv for RESIDENT keys of one batch entry, over the query blocks that see them.
+// The query side of a dk/dv block: the blocks of STEP query rows that see its keys,
+// for each member of its K/V entry's query group in turn (one member unless the
+// pass groups: native grouped-query attention), so that dk and dv sum over the
+// group in registers. Step j's rows start at row m0 of the sequence; q_off is their
+// offset in q from member 0's entry, row their flat row in dout, lse and delta.
+template <int STEP>
+struct QuerySteps {
+    const AttnParams& p;   // read where used: the parameters stay in the constant bank
+    u32 kv_entry;
+    int q0, mb_begin, per_member, count;
+
+    __device__ __forceinline__ QuerySteps(const AttnParams& p, const Work& w, int mb_begin, int mb_end)
+        : p(p), kv_entry(w.entry), q0(w.q0), mb_begin(mb_begin), per_member(mb_end - mb_begin),
+          count((mb_end - mb_begin) * int(p.group_size)) {}
+
+    __device__ __forceinline__ void at(int j, int& m0, index_t& q_off, index_t& row) const {
+        const int member = j / per_member;
+        m0 = (mb_begin + j - member * per_member) * STEP;
+        q_off = member * p.q_group_stride + index_t(q0 + m0) * p.q_row_stride;
+        row = index_t(p.group_member(kv_entry, member)) * p.nq + q0 + m0;
+    }
+    // the query block of the step after one at block mb (the loops count blocks, not divide)
+    __device__ __forceinline__ int next_block(int mb) const { return mb + 1 == mb_begin + per_member ? mb_begin : mb + 1; }
+};
+
+// dk and dv for RESIDENT keys of one sequence of one batch entry (one K/V entry
+// when grouped), over the query blocks that see them.
 // Each warp owns 16 keys and works on transposed score tiles (rows = keys).
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS>
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS, bool PACKED>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_bwd_dkdv(const BwdParams p) {
     using Cfg = BwdConfig<T, HEAD_DIM, DCOL, STEP, WARPS>;
@@ -90,20 +116,18 @@ attn_bwd_dkdv(const BwdParams p) {
     constexpr int S_TILES = Cfg::S_TILES, D_TILES = Cfg::D_TILES, STEP_BYTES = STile::BYTES;
 
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 num_n_blocks = u32(p.num_n_blocks);
-    const u32 batch = blockIdx.x / num_n_blocks;
-    const int n0 = int(blockIdx.x % num_n_blocks) * Cfg::RESIDENT;
+    Work w;
+    if (!p.template find_work<PACKED, false>(u32(p.num_n_blocks), false, w)) return;
+    const int n0 = w.block * Cfg::RESIDENT;
     const int col0 = blockIdx.y * DCOL;
-    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int warp_row0 = (threadIdx.x / 32) * 16;
     const int t = threadIdx.x % 4;
 
     index_t q_off, k_off, v_off;
-    p.batch_offsets(batch, q_off, k_off, v_off);
-    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;
-    const Storage* g_do = static_cast<const Storage*>(p.dout) + index_t(batch) * p.nq * p.dv;
-    const float* g_lse = p.lse + index_t(batch) * p.nq;
-    const float* g_delta = p.delta + index_t(batch) * p.nq;
+    p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;   // + QuerySteps' q_off
+    const Storage* g_do = static_cast<const Storage*>(p.dout);        // + QuerySteps' row * dv
 
     // [K][V][Q stage 0, 1][dO stage 0, 1][lse2 stage 0, 1][delta stage 0, 1]
     const u32 s_k = smem_address(smem);
@@ -113,21 +137,22 @@ attn_bwd_dkdv(const BwdParams p) {
     float* s_lse2 = reinterpret_cast<float*>(smem + 2 * RTile::BYTES + 2 * Cfg::STAGES * STEP_BYTES);
     float* s_delta = s_lse2 + Cfg::STAGES * STEP;
 
-    const Band band(p);
+    const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int m_lo, m_hi;
     band.row_range(n0, n_end, nq, m_lo, m_hi);
     const int mb_begin = m_lo / STEP;
-    const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
+    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
 
-    auto load_step = [&](int mb, int stage) {
-        const int m0 = mb * STEP;
-        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
-                                             p.q_row_stride, nq - m0, d);
-        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
+    auto load_step = [&](int j, int stage) {
+        int m0;
+        index_t qo, row;
+        steps.at(j, m0, qo, row);
+        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + qo, p.q_row_stride, nq - m0, d);
+        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + row * p.dv, p.dv, nq - m0, dv);
         for (int i = threadIdx.x; i < STEP; i += Cfg::THREADS) {
-            s_lse2[stage * STEP + i] = lse_log2(g_lse, m0 + i, nq);
-            s_delta[stage * STEP + i] = m0 + i < nq ? g_delta[m0 + i] : 0.f;
+            s_lse2[stage * STEP + i] = lse_log2(p.lse + row, i, nq - m0);
+            s_delta[stage * STEP + i] = m0 + i < nq ? p.delta[row + i] : 0.f;
         }
     };
 
@@ -136,17 +161,19 @@ attn_bwd_dkdv(const BwdParams p) {
     fill_zero(acc_dv);
     const float scale_log2 = float(p.scale_log2);
 
-    if (mb_begin < mb_end) {
-        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(n0) * p.k_row_stride;
-        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
+    if (steps.count) {
+        const index_t key0 = w.k0 + n0;
+        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + key0 * p.k_row_stride;
+        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + key0 * p.v_row_stride;
         load_tile_async<RTile, Cfg::THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
         load_tile_async<RTile, Cfg::THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
-        load_step(mb_begin, 0);
+        load_step(0, 0);
         cp_async_commit();
     }
-    for (int mb = mb_begin; mb < mb_end; ++mb) {
-        const int stage = (mb - mb_begin) & 1;
-        if (mb + 1 < mb_end) load_step(mb + 1, stage ^ 1);
+    int mb = steps.mb_begin;   // the query block of step j
+    for (int j = 0; j < steps.count; ++j) {
+        const int stage = j & 1;
+        if (j + 1 < steps.count) load_step(j + 1, stage ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
@@ -154,6 +181,7 @@ attn_bwd_dkdv(const BwdParams p) {
         const float* lse2 = s_lse2 + stage * STEP;
         const float* delta = s_delta + stage * STEP;
         const int m0 = mb * STEP;
+        mb = steps.next_block(mb);
 
         // s^T = k q^T (rows: this warp's keys; columns: the step's queries)
         float st[1][S_TILES][4];
@@ -188,14 +216,15 @@ attn_bwd_dkdv(const BwdParams p) {
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
-    Storage* g_dk = static_cast<Storage*>(p.dk) + (index_t(batch) * p.nk + n0) * p.d;
-    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + (index_t(batch) * p.nk + n0) * p.dv;
+    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
+    Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
+    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
     store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, col0, d);
     store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, col0, dv);
 }
 
-// dq for RESIDENT query rows of one batch entry, over the key blocks they see.
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS>
+// dq for RESIDENT query rows of one sequence of one batch entry, over the key blocks they see.
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS, bool PACKED>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_bwd_dq(const BwdParams p) {
     using Cfg = BwdConfig<T, HEAD_DIM, DCOL, STEP, WARPS>;
@@ -205,18 +234,21 @@ attn_bwd_dq(const BwdParams p) {
     constexpr int S_TILES = Cfg::S_TILES, D_TILES = Cfg::D_TILES, STEP_BYTES = STile::BYTES;
 
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 num_m_blocks = u32(p.num_m_blocks);
-    const u32 batch = blockIdx.x / num_m_blocks;
-    const int m0 = int(blockIdx.x % num_m_blocks) * Cfg::RESIDENT;
+    Work w;
+    if (!p.template find_work<PACKED, false>(u32(p.num_m_blocks), true, w)) return;
+    const int m0 = w.block * Cfg::RESIDENT;
     const int col0 = blockIdx.y * DCOL;
-    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int warp_row0 = (threadIdx.x / 32) * 16;
     const int g = (threadIdx.x % 32) / 4;
 
     index_t q_off, k_off, v_off;
-    p.batch_offsets(batch, q_off, k_off, v_off);
-    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off;
-    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off;
+    p.batch_offsets(w.entry, q_off, k_off, v_off);
+    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(w.k0) * p.k_row_stride;
+    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(w.k0) * p.v_row_stride;
+    // the flat row of m0 in dout, lse, delta and dq, computed where used rather than held
+    // in registers through the loop
+    auto row0 = [&] { return index_t(w.entry) * p.nq + w.q0 + m0; };
 
     // [Q][dO][K stage 0, 1][V stage 0, 1]
     const u32 s_q = smem_address(smem);
@@ -228,12 +260,12 @@ attn_bwd_dq(const BwdParams p) {
     float lse2[2], delta[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = m0 + warp_row0 + g + 8 * h;
-        lse2[h] = lse_log2(p.lse + index_t(batch) * p.nq, row, nq);
-        delta[h] = row < nq ? p.delta[index_t(batch) * p.nq + row] : 0.f;
+        const int row = warp_row0 + g + 8 * h;
+        lse2[h] = lse_log2(p.lse + row0(), row, nq - m0);
+        delta[h] = row < nq - m0 ? p.delta[row0() + row] : 0.f;
     }
 
-    const Band band(p);
+    const Band band(p, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
@@ -253,8 +285,8 @@ attn_bwd_dq(const BwdParams p) {
     const float scale_log2 = float(p.scale_log2);
 
     if (nb_begin < nb_end) {
-        const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(m0) * p.q_row_stride;
-        const Storage* g_do = static_cast<const Storage*>(p.dout) + (index_t(batch) * p.nq + m0) * p.dv;
+        const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride;
+        const Storage* g_do = static_cast<const Storage*>(p.dout) + row0() * p.dv;
         load_tile_async<RTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
         load_tile_async<RTile, Cfg::THREADS>(s_do, g_do, p.dv, nq - m0, dv);
         load_step(nb_begin, 0);
@@ -295,7 +327,7 @@ attn_bwd_dq(const BwdParams p) {
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
-    Storage* g_dq = static_cast<Storage*>(p.dq) + (index_t(batch) * p.nq + m0) * p.d;
+    Storage* g_dq = static_cast<Storage*>(p.dq) + row0() * p.d;
     store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, col0, d);
 }
 

@@ -27,41 +27,44 @@ namespace cuflash {
 template <int STEP, int THREADS, bool PREFETCH>
 struct QueryRowStats {
     static_assert(STEP <= THREADS, "one query row per thread");
+    const QuerySteps<STEP>& steps;
     const float* g_lse;
     const float* g_delta;
     float* s_lse2;    // [stage][STEP], log2 domain
     float* s_delta;   // [stage][STEP]
-    int nq, mb_end;
+    int nq;
     float lse = -CUFLASH_INF, delta = 0.f;   // raw, of the step stored next; a row past nq: p = 0, ds = 0
 
-    __device__ __forceinline__ QueryRowStats(const float* g_lse, const float* g_delta, float* s_lse2, float* s_delta,
-                                             int nq, int mb_end)
-        : g_lse(g_lse), g_delta(g_delta), s_lse2(s_lse2), s_delta(s_delta), nq(nq), mb_end(mb_end) {}
+    __device__ __forceinline__ QueryRowStats(const QuerySteps<STEP>& steps, const float* g_lse, const float* g_delta,
+                                             float* s_lse2, float* s_delta, int nq)
+        : steps(steps), g_lse(g_lse), g_delta(g_delta), s_lse2(s_lse2), s_delta(s_delta), nq(nq) {}
 
-    // before the first fill, which is of step mb
-    __device__ __forceinline__ void prime(int mb) {
-        if (PREFETCH) fetch(mb);
+    // before the first fill, which is of step 0
+    __device__ __forceinline__ void prime() {
+        if (PREFETCH) fetch(0);
     }
-    // stage `stage` gets step mb's rows (fills come in step order)
-    __device__ __forceinline__ void fill(int mb, int stage) {
-        if (!PREFETCH) fetch(mb);
+    // stage `stage` gets step j's rows (fills come in step order)
+    __device__ __forceinline__ void fill(int j, int stage) {
+        if (!PREFETCH) fetch(j);
         if (threadIdx.x < STEP) {
             s_lse2[stage * STEP + threadIdx.x] = lse_to_log2(lse);
             s_delta[stage * STEP + threadIdx.x] = delta;
         }
-        if (PREFETCH && mb + 1 < mb_end) fetch(mb + 1);
+        if (PREFETCH && j + 1 < steps.count) fetch(j + 1);
     }
 
   private:
-    __device__ __forceinline__ void fetch(int mb) {
-        const int row = mb * STEP + int(threadIdx.x);
-        const bool inside = threadIdx.x < STEP && row < nq;
-        lse = inside ? g_lse[row] : -CUFLASH_INF;
-        delta = inside ? g_delta[row] : 0.f;
+    __device__ __forceinline__ void fetch(int j) {
+        int m0;
+        index_t q_off, row;
+        steps.at(j, m0, q_off, row);
+        const bool inside = threadIdx.x < STEP && m0 + int(threadIdx.x) < nq;
+        lse = inside ? g_lse[row + threadIdx.x] : -CUFLASH_INF;
+        delta = inside ? g_delta[row + threadIdx.x] : 0.f;
     }
 };
 
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dkdv_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
@@ -72,21 +75,19 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
-    u32 batch, n_block;
-    p.grid_position(u32(p.num_n_blocks), false, batch, n_block);
-    const int n0 = int(n_block) * Cfg::RESIDENT;
+    Work w;
+    if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
+    const int n0 = w.block * Cfg::RESIDENT;
     const int col0 = blockIdx.y * DCOL;
-    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;
     const int t = threadIdx.x % 4;
 
     index_t q_off, k_off, v_off;
-    p.batch_offsets(batch, q_off, k_off, v_off);
-    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;
-    const Storage* g_do = static_cast<const Storage*>(p.dout) + index_t(batch) * p.nq * p.dv;
-    const float* g_lse = p.lse + index_t(batch) * p.nq;
-    const float* g_delta = p.delta + index_t(batch) * p.nq;
+    p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;   // + QuerySteps' q_off
+    const Storage* g_do = static_cast<const Storage*>(p.dout);        // + QuerySteps' row * dv
 
     // [K][V][Q stage 0, 1][dO stage 0, 1][lse2 stage 0, 1][delta stage 0, 1], tiles 1024-aligned
     const u32 base = (smem_address(smem) + 1023u) & ~1023u;
@@ -98,20 +99,21 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
                                              2 * STAGES * STEP_BYTES);
     float* s_delta = s_lse2 + STAGES * STEP;
 
-    const Band band(p);
+    const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int m_lo, m_hi;
     band.row_range(n0, n_end, nq, m_lo, m_hi);
     const int mb_begin = m_lo / STEP;
-    const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
+    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
 
-    QueryRowStats<STEP, Cfg::THREADS, Cfg::PREFETCH_ROW_STATS> stats(g_lse, g_delta, s_lse2, s_delta, nq, mb_end);
-    auto load_step = [&](int mb, int stage) {
-        const int m0 = mb * STEP;
-        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
-                                             p.q_row_stride, nq - m0, d);
-        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
-        stats.fill(mb, stage);
+    QueryRowStats<STEP, Cfg::THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
+    auto load_step = [&](int j, int stage) {
+        int m0;
+        index_t qo, row;
+        steps.at(j, m0, qo, row);
+        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + qo, p.q_row_stride, nq - m0, d);
+        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + row * p.dv, p.dv, nq - m0, dv);
+        stats.fill(j, stage);
     };
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
@@ -120,15 +122,16 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     const float scale_log2 = float(p.scale_log2);
     const u32 panel0 = u32(col0 / 64);   // first gradient column's panel in the step tiles
 
-    if (mb_begin < mb_end) {
-        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(n0) * p.k_row_stride;
-        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
+    if (steps.count) {
+        const index_t key0 = w.k0 + n0;
+        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + key0 * p.k_row_stride;
+        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + key0 * p.v_row_stride;
         load_tile_async<RTile, Cfg::THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
         load_tile_async<RTile, Cfg::THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
-        stats.prime(mb_begin);
+        stats.prime();
 #pragma unroll
         for (int i = 0; i < Cfg::AHEAD; ++i) {
-            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
+            if (i < steps.count) load_step(i, i);
             cp_async_commit();
         }
     }
@@ -143,17 +146,19 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         wgmma_regs_cols<T, STile, DCOL>(acc_dv[0], pa, do_tile + panel0 * STile::PANEL_BYTES);
         wgmma_regs_cols<T, STile, DCOL>(acc_dk[0], dsa, q_tile + panel0 * STile::PANEL_BYTES);
     };
-    for (int mb = mb_begin; mb < mb_end; ++mb) {
-        const int stage = int(u32(mb - mb_begin) % STAGES);
+    int mb = steps.mb_begin;   // the query block of step j
+    for (int j = 0; j < steps.count; ++j) {
+        const int stage = int(u32(j) % STAGES);
         cp_async_wait<Cfg::AHEAD - 1>();
         fence_async_shared();
-        __syncthreads();         // step mb has landed; no product in flight reads the stage refilled next
-        if (mb + Cfg::AHEAD < mb_end) load_step(mb + Cfg::AHEAD, int(u32(stage + Cfg::AHEAD) % STAGES));
+        __syncthreads();         // step j has landed; no product in flight reads the stage refilled next
+        if (j + Cfg::AHEAD < steps.count) load_step(j + Cfg::AHEAD, int(u32(stage + Cfg::AHEAD) % STAGES));
         cp_async_commit();
         const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
         const float* lse2 = s_lse2 + stage * STEP;
         const float* delta = s_delta + stage * STEP;
         const int m0 = mb * STEP;
+        mb = steps.next_block(mb);
 
         // s^T = k q^T and dp^T = v dout^T (rows: this warpgroup's keys; columns: the step's queries)
         float st[1][S_TILES][4], dpt[1][S_TILES][4];
@@ -165,7 +170,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dpt[0], s_v + group_row0 * 128, do_st);
         wgmma_commit();
         if (Cfg::OVERLAP) {
-            if (mb > mb_begin) issue_gradients(q_prev, do_prev);
+            if (j > 0) issue_gradients(q_prev, do_prev);
             wgmma_commit();   // empty in the first step, so the waits below count alike
         }
         wgmma_wait<Cfg::OVERLAP ? 2 : 1>();
@@ -216,7 +221,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
             pin_registers(acc_dk);
         }
     }
-    if (Cfg::OVERLAP && mb_begin < mb_end) {
+    if (Cfg::OVERLAP && steps.count) {
         pin_registers(pa);
         pin_registers(dsa);
         wgmma_fence();
@@ -228,8 +233,9 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
-    Storage* g_dk = static_cast<Storage*>(p.dk) + (index_t(batch) * p.nk + n0) * p.d;
-    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + (index_t(batch) * p.nk + n0) * p.dv;
+    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
+    Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
+    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
     store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, col0, d);
     store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, col0, dv);
 }
@@ -239,7 +245,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 // forms p^T and accumulates dv, warpgroup 1 forms dp^T and accumulates dk, with
 // p^T passed through shared memory. Four products per step, as in
 // attn_bwd_dkdv_sm90, where a column split would recompute both score products.
-template <class T, int HEAD_DIM, int STEP, int STAGES>
+template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
 __global__ void __launch_bounds__(256, 1)
 attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, 1, STAGES>;
@@ -251,20 +257,18 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES + 4 * EXCHANGE_FLOATS)) __trap();
-    u32 batch, n_block;
-    p.grid_position(u32(p.num_n_blocks), false, batch, n_block);
-    const int n0 = int(n_block) * 64;
-    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    Work w;
+    if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
+    const int n0 = w.block * 64;
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int group = threadIdx.x / 128, rank = threadIdx.x % 128;   // rank within the warpgroup
     const int warp_row0 = (rank / 32) * 16;
     const int t = threadIdx.x % 4;
 
     index_t q_off, k_off, v_off;
-    p.batch_offsets(batch, q_off, k_off, v_off);
-    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;
-    const Storage* g_do = static_cast<const Storage*>(p.dout) + index_t(batch) * p.nq * p.dv;
-    const float* g_lse = p.lse + index_t(batch) * p.nq;
-    const float* g_delta = p.delta + index_t(batch) * p.nq;
+    p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;   // + QuerySteps' q_off
+    const Storage* g_do = static_cast<const Storage*>(p.dout);        // + QuerySteps' row * dv
 
     // [K][V][Q x STAGES][dO x STAGES][lse2 x STAGES][delta x STAGES][p^T exchange]
     const u32 base = (smem_address(smem) + 1023u) & ~1023u;
@@ -277,47 +281,51 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     float* s_delta = s_lse2 + STAGES * STEP;
     float* s_exchange = s_delta + STAGES * STEP;
 
-    const Band band(p);
+    const Band band(p, w);
     const int n_end = min(n0 + 64, nk);
     int m_lo, m_hi;
     band.row_range(n0, n_end, nq, m_lo, m_hi);
     const int mb_begin = m_lo / STEP;
-    const int mb_end = m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin;
+    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
 
-    QueryRowStats<STEP, THREADS, Cfg::PREFETCH_ROW_STATS> stats(g_lse, g_delta, s_lse2, s_delta, nq, mb_end);
-    auto load_step = [&](int mb, int stage) {
-        const int m0 = mb * STEP;
-        load_tile_async<STile, THREADS>(s_q + stage * STEP_BYTES, g_q + index_t(m0) * p.q_row_stride,
-                                        p.q_row_stride, nq - m0, d);
-        load_tile_async<STile, THREADS>(s_do + stage * STEP_BYTES, g_do + index_t(m0) * p.dv, p.dv, nq - m0, dv);
-        stats.fill(mb, stage);
+    QueryRowStats<STEP, THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
+    auto load_step = [&](int j, int stage) {
+        int m0;
+        index_t qo, row;
+        steps.at(j, m0, qo, row);
+        load_tile_async<STile, THREADS>(s_q + stage * STEP_BYTES, g_q + qo, p.q_row_stride, nq - m0, d);
+        load_tile_async<STile, THREADS>(s_do + stage * STEP_BYTES, g_do + row * p.dv, p.dv, nq - m0, dv);
+        stats.fill(j, stage);
     };
 
     float acc[1][D_TILES][4];   // dv in warpgroup 0, dk in warpgroup 1
     fill_zero(acc);
     const float scale_log2 = float(p.scale_log2);
 
-    if (mb_begin < mb_end) {
-        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(n0) * p.k_row_stride;
-        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(n0) * p.v_row_stride;
+    if (steps.count) {
+        const index_t key0 = w.k0 + n0;
+        const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + key0 * p.k_row_stride;
+        const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + key0 * p.v_row_stride;
         load_tile_async<RTile, THREADS>(s_k, g_k, p.k_row_stride, nk - n0, d);
         load_tile_async<RTile, THREADS>(s_v, g_v, p.v_row_stride, nk - n0, dv);
-        stats.prime(mb_begin);
+        stats.prime();
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (mb_begin + i < mb_end) load_step(mb_begin + i, i);
+            if (i < steps.count) load_step(i, i);
             cp_async_commit();
         }
     }
-    for (int mb = mb_begin; mb < mb_end; ++mb) {
-        const int stage = int(u32(mb - mb_begin) % STAGES);
+    int mb = steps.mb_begin;   // the query block of step j
+    for (int j = 0; j < steps.count; ++j) {
+        const int stage = int(u32(j) % STAGES);
         cp_async_wait<STAGES - 2>();
         fence_async_shared();
-        __syncthreads();         // step mb has landed, step mb-1 (and its exchange) is done everywhere
-        if (mb + STAGES - 1 < mb_end) load_step(mb + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
+        __syncthreads();         // step j has landed, step j-1 (and its exchange) is done everywhere
+        if (j + STAGES - 1 < steps.count) load_step(j + STAGES - 1, int(u32(stage + STAGES - 1) % STAGES));
         cp_async_commit();
         const u32 q_st = s_q + stage * STEP_BYTES, do_st = s_do + stage * STEP_BYTES;
         const int m0 = mb * STEP;
+        mb = steps.next_block(mb);
 
         // warpgroup 0: s^T = k q^T; warpgroup 1: dp^T = v dout^T
         float s[1][S_TILES][4];
@@ -364,31 +372,33 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
+    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
     if (group == 0) {
-        Storage* g_dv = static_cast<Storage*>(p.dv_grad) + (index_t(batch) * p.nk + n0) * p.dv;
+        Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
         store_rows<T>(g_dv, acc, 1.f, warp_row0, nk - n0, 0, dv);
     } else {
-        Storage* g_dk = static_cast<Storage*>(p.dk) + (index_t(batch) * p.nk + n0) * p.d;
+        Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
         store_rows<T>(g_dk, acc, scale, warp_row0, nk - n0, 0, d);
     }
 }
 
 // delta = rowsum(dout * out) of the two rows a thread owns in the MMA layout
-// (rows g and g + 8 of its warp's 16 from row0), its quad splitting each row
+// (rows g and g + 8 of its warp's 16 from flat row flat_row0, of which `rows`
+// exist), its quad splitting each row
 // into 16-byte chunks (out and dout are contiguous and 16-byte aligned, dv a
 // multiple of 8). The dq pass runs first and stores delta for the dk/dv pass.
 template <class T>
-__device__ __forceinline__ void row_deltas(const BwdParams& p, u32 batch, int row0, bool store, float (&delta)[2]) {
+__device__ __forceinline__ void row_deltas(const BwdParams& p, index_t flat_row0, int rows, bool store, float (&delta)[2]) {
     using Storage = typename T::storage;
     static_assert(sizeof(Storage) == 2, "16-bit elements, eight to a chunk");
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const int nq = int(p.nq), chunks = int(p.dv) / 8;
+    const int chunks = int(p.dv) / 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = row0 + g + 8 * h;
+        const int row = g + 8 * h;
         float sum = 0.f;
-        if (row < nq) {
-            const index_t off = (index_t(batch) * p.nq + row) * p.dv;
+        if (row < rows) {
+            const index_t off = (flat_row0 + row) * p.dv;
             const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.out) + off);
             const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.dout) + off);
             for (int c = t; c < chunks; c += 4) {
@@ -401,11 +411,11 @@ __device__ __forceinline__ void row_deltas(const BwdParams& p, u32 batch, int ro
             }
         }
         delta[h] = quad_sum(sum);
-        if (store && t == 0 && row < nq) p.delta[index_t(batch) * p.nq + row] = delta[h];
+        if (store && t == 0 && row < rows) p.delta[flat_row0 + row] = delta[h];
     }
 }
 
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dq_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
@@ -416,19 +426,20 @@ attn_bwd_dq_sm90(const BwdParams p) {
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
-    u32 batch, m_block;
-    p.grid_position(u32(p.num_m_blocks), true, batch, m_block);
-    const int m0 = int(m_block) * Cfg::RESIDENT;
+    Work w;
+    if (!p.template find_work<PACKED>(u32(p.num_m_blocks), true, w)) return;
+    const int m0 = w.block * Cfg::RESIDENT;
     const int col0 = blockIdx.y * DCOL;
-    const int nq = int(p.nq), nk = int(p.nk), d = int(p.d), dv = int(p.dv);
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;
     const int g = (threadIdx.x % 32) / 4;
 
     index_t q_off, k_off, v_off;
-    p.batch_offsets(batch, q_off, k_off, v_off);
-    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off;
-    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off;
+    p.batch_offsets(w.entry, q_off, k_off, v_off);
+    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(w.k0) * p.k_row_stride;
+    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(w.k0) * p.v_row_stride;
+    const index_t row0 = index_t(w.entry) * p.nq + w.q0 + m0;   // flat row of m0 in dout, lse, delta, dq
 
     // [Q][dO][K stage 0, 1][V stage 0, 1], tiles 1024-aligned
     const u32 s_q = (smem_address(smem) + 1023u) & ~1023u;
@@ -436,7 +447,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
     const u32 s_k = s_do + RTile::BYTES;
     const u32 s_v = s_k + STAGES * STEP_BYTES;
 
-    const Band band(p);
+    const Band band(p, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
@@ -457,8 +468,8 @@ attn_bwd_dq_sm90(const BwdParams p) {
     const u32 panel0 = u32(col0 / 64);
 
     if (nb_begin < nb_end) {
-        const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(m0) * p.q_row_stride;
-        const Storage* g_do = static_cast<const Storage*>(p.dout) + (index_t(batch) * p.nq + m0) * p.dv;
+        const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride;
+        const Storage* g_do = static_cast<const Storage*>(p.dout) + row0 * p.dv;
         load_tile_async<RTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
         load_tile_async<RTile, Cfg::THREADS>(s_do, g_do, p.dv, nq - m0, dv);
 #pragma unroll
@@ -470,9 +481,9 @@ attn_bwd_dq_sm90(const BwdParams p) {
     // lse2 and delta of the two rows each thread owns, while the first steps load;
     // every row gets its delta, also one that sees no key (the dk/dv pass multiplies it by p = 0)
     float lse2[2], delta[2];
-    row_deltas<T>(p, batch, m0 + warp_row0, blockIdx.y == 0, delta);
+    row_deltas<T>(p, row0 + warp_row0, nq - m0 - warp_row0, blockIdx.y == 0, delta);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) lse2[h] = lse_log2(p.lse + index_t(batch) * p.nq, m0 + warp_row0 + g + 8 * h, nq);
+    for (int h = 0; h < 2; ++h) lse2[h] = lse_log2(p.lse + row0, warp_row0 + g + 8 * h, nq - m0);
 
     // With OVERLAP (Cfg) a step's dq product is issued at the start of the next
     // step, behind its score products, and runs while its p is formed.
@@ -547,7 +558,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
-    Storage* g_dq = static_cast<Storage*>(p.dq) + (index_t(batch) * p.nq + m0) * p.d;
+    Storage* g_dq = static_cast<Storage*>(p.dq) + row0 * p.d;
     store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, col0, d);
 }
 

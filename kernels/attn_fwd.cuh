@@ -1,6 +1,6 @@
 // attn_fwd.cuh: the forward pass, out = softmax(scale * q k^T + mask) v.
 //
-// One block computes BLOCK_M query rows of one batch entry (and DV_BLOCK
+// One block computes BLOCK_M query rows of one sequence of one batch entry (and DV_BLOCK
 // output columns: a wide dv may be split over blockIdx.y). Q stays in shared
 // memory; K and V blocks stream through a two-stage cp.async pipeline over
 // the keys the band allows (blocks outside it are never loaded). Each warp
@@ -16,21 +16,23 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
     return n;
 }
 
-// Writes a warp's rows of out (acc, already divided by l) and lse. Rows past nq
-// and columns past dv are not written; lse comes from the first column block.
+// Writes a warp's rows of out (acc, already divided by l) and lse for the block of
+// query rows from m0 of w's sequence. Rows past the sequence and columns past dv are
+// not written; lse comes from the first column block.
 template <class T, int M_TILES, int D_TILES>
-__device__ __forceinline__ void store_output(const AttnParams& p, u32 batch, int m0, int col0, int warp_row0,
+__device__ __forceinline__ void store_output(const AttnParams& p, const Work& w, int m0, int col0, int warp_row0,
                                              const float (&acc)[M_TILES][D_TILES][4], const float (&lse)[M_TILES][2]) {
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const int nq = int(p.nq), dv = int(p.dv) - col0;
-    auto* g_out = static_cast<typename T::storage*>(p.out) + (index_t(batch) * p.nq + m0) * p.dv + col0;
-    float* g_lse = p.lse + index_t(batch) * p.nq + m0;
+    const int dv = int(p.dv) - col0;
+    const index_t row0 = index_t(w.entry) * p.nq + w.q0 + m0;
+    auto* g_out = static_cast<typename T::storage*>(p.out) + row0 * p.dv + col0;
+    float* g_lse = p.lse + row0;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = warp_row0 + mt * 16 + g + 8 * h;
-            if (m0 + row >= nq) continue;
+            if (m0 + row >= w.nq) continue;
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt) {
                 const int col = dt * 8 + 2 * t;
@@ -42,7 +44,7 @@ __device__ __forceinline__ void store_output(const AttnParams& p, u32 batch, int
         }
 }
 
-template <class T, int HEAD_DIM, int DV_BLOCK, int BLOCK_M, int BLOCK_N, int WARPS>
+template <class T, int HEAD_DIM, int DV_BLOCK, int BLOCK_M, int BLOCK_N, int WARPS, bool PACKED>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd(const AttnParams p) {
     using Cfg = FwdConfig<T, HEAD_DIM, DV_BLOCK, BLOCK_M, BLOCK_N, WARPS>;
@@ -55,24 +57,24 @@ attn_fwd(const AttnParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
 
-    const u32 num_m_blocks = u32(p.num_m_blocks);
-    const u32 batch = blockIdx.x / num_m_blocks;
-    const int m0 = int(blockIdx.x % num_m_blocks) * BLOCK_M;
+    Work w;
+    if (!p.template find_work<PACKED, false>(u32(p.num_m_blocks), true, w)) return;
+    const int m0 = w.block * BLOCK_M;
     const int col0 = blockIdx.y * DV_BLOCK;   // first output column of this block
-    const int nq = int(p.nq), d = int(p.d), dv = int(p.dv) - col0;
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv) - col0;
     const int warp_row0 = (threadIdx.x / 32) * 16 * M_TILES;   // first row of this warp in the block
 
     index_t q_off, k_off, v_off;
-    p.batch_offsets(batch, q_off, k_off, v_off);
-    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(m0) * p.q_row_stride;
-    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off;
-    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + col0;
+    p.batch_offsets(w.entry, q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride;
+    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(w.k0) * p.k_row_stride;
+    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(w.k0) * p.v_row_stride + col0;
 
     const u32 s_q = smem_address(smem);
     const u32 s_k = s_q + QTile::BYTES;                     // + stage * KTile::BYTES
     const u32 s_v = s_k + Cfg::STAGES * KTile::BYTES;       // + stage * VTile::BYTES
 
-    const Band band(p);
+    const Band band(p, w);
     const int m_end = min(m0 + BLOCK_M, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
@@ -82,7 +84,7 @@ attn_fwd(const AttnParams p) {
     // Issues the loads of key block nb into pipeline stage `stage`.
     auto load_kv = [&](int nb, int stage) {
         const int n0 = nb * BLOCK_N;
-        const int rows = int(p.nk) - n0;
+        const int rows = nk - n0;
         load_tile_async<KTile, Cfg::THREADS>(s_k + stage * KTile::BYTES, g_k + index_t(n0) * p.k_row_stride,
                                              p.k_row_stride, rows, d);
         load_tile_async<VTile, Cfg::THREADS>(s_v + stage * VTile::BYTES, g_v + index_t(n0) * p.v_row_stride,
@@ -128,7 +130,7 @@ attn_fwd(const AttnParams p) {
 
     float lse[M_TILES][2];
     softmax.finish(acc, lse, scale_log2);
-    store_output<T>(p, batch, m0, col0, warp_row0, acc, lse);
+    store_output<T>(p, w, m0, col0, warp_row0, acc, lse);
 }
 
 }  // namespace cuflash

@@ -14,7 +14,7 @@
 
 namespace cuflash {
 
-template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, int MIN_BLOCKS>
+template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_fwd_sm90(const AttnParams p) {
     using Cfg = Sm90FwdConfig<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES>;
@@ -27,25 +27,25 @@ attn_fwd_sm90(const AttnParams p) {
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
 
-    u32 batch, m_block;
-    p.grid_position(u32(p.num_m_blocks), true, batch, m_block);
-    const int m0 = int(m_block) * BLOCK_M;
-    const int nq = int(p.nq), d = int(p.d), dv = int(p.dv);
+    Work w;
+    if (!p.template find_work<PACKED>(u32(p.num_m_blocks), true, w)) return;
+    const int m0 = w.block * BLOCK_M;
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;                 // this warpgroup's rows
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;  // this warp's rows
 
     index_t q_off, k_off, v_off;
-    p.batch_offsets(batch, q_off, k_off, v_off);
-    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(m0) * p.q_row_stride;
-    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off;
-    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off;
+    p.batch_offsets(w.entry, q_off, k_off, v_off);
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride;
+    const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(w.k0) * p.k_row_stride;
+    const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(w.k0) * p.v_row_stride;
 
     // swizzle atoms must start on 1024-byte boundaries (SMEM_BYTES leaves room)
     const u32 s_q = (smem_address(smem) + 1023u) & ~1023u;
     const u32 s_k = s_q + QTile::BYTES;                     // + stage * KTile::BYTES
     const u32 s_v = s_k + STAGES * KTile::BYTES;            // + stage * VTile::BYTES
 
-    const Band band(p);
+    const Band band(p, w);
     const int m_end = min(m0 + BLOCK_M, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
@@ -59,12 +59,12 @@ attn_fwd_sm90(const AttnParams p) {
     auto load_k = [&](int nb, int stage) {
         const int n0 = nb * BLOCK_N;
         load_tile_async<KTile, Cfg::THREADS>(s_k + stage * KTile::BYTES, g_k + index_t(n0) * p.k_row_stride,
-                                             p.k_row_stride, int(p.nk) - n0, d);
+                                             p.k_row_stride, nk - n0, d);
     };
     auto load_v = [&](int nb, int stage) {
         const int n0 = nb * BLOCK_N;
         load_tile_async<VTile, Cfg::THREADS>(s_v + stage * VTile::BYTES, g_v + index_t(n0) * p.v_row_stride,
-                                             p.v_row_stride, int(p.nk) - n0, dv);
+                                             p.v_row_stride, nk - n0, dv);
     };
 
     float acc[1][D_TILES][4];
@@ -137,7 +137,7 @@ attn_fwd_sm90(const AttnParams p) {
 
     float lse[1][2];
     softmax.finish(acc, lse, scale_log2);
-    store_output<T>(p, batch, m0, 0, warp_row0, acc, lse);
+    store_output<T>(p, w, m0, 0, warp_row0, acc, lse);
 }
 
 }  // namespace cuflash

@@ -10,8 +10,9 @@ namespace cuflash {
 struct Band {
     int nk, off, left, right;
 
-    __device__ __forceinline__ explicit Band(const AttnParams& p)
-        : nk(int(p.nk)), off(int(p.nk - p.nq)), left(int(p.window_left)), right(int(p.window_right)) {}
+    // the band of one sequence (the whole problem when dense): w.nq queries, w.nk keys
+    __device__ __forceinline__ Band(const AttnParams& p, const Work& w)
+        : nk(w.nk), off(w.nk - w.nq), left(int(p.window_left)), right(int(p.window_right)) {}
 
     __device__ __forceinline__ bool allows(int row, int col) const {
         return col < nk && col <= row + off + right && col >= row + off - left;

@@ -9,14 +9,36 @@ namespace cuflash {
 
 constexpr int MAX_BATCH_DIMS = 8;
 
+// The rows [first, first + count) of packed sequence s, its offsets clamped to [0, total]
+// and an end before the start read as an empty sequence (schedule.cuh and the kernels agree).
+__device__ __forceinline__ void sequence_rows(const int* cu, int s, int total, int& first, int& count) {
+    first = min(max(cu[s], 0), total);
+    count = min(max(cu[s + 1], first), total) - first;
+}
+
+// One thread block's work: `block` of the blocks of rows of one sequence (the whole
+// problem when dense) of batch entry `entry`.
+struct Work {
+    u32 entry;
+    int block;
+    int q0, k0;   // the sequence's first query and key row (0 when dense)
+    int nq, nk;   // its query and key rows
+};
+
 struct AttnParams {
     const void* q;            // (batch..., nq, d)   rows strided, elements contiguous
     const void* k;            // (batch..., nk, d)
     const void* v;            // (batch..., nk, dv)
     void* out;                // (batch, nq, dv)     contiguous
     float* lse;               // (batch, nq)         contiguous, natural log
+    // Packed sequences (all three null for one dense problem per batch entry):
+    // (S + 1) row offsets along q's and k's axis -2, and this launch's tile list
+    // (schedule.cuh), one (sequence, block) per tile, sequence -1 past the last.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    const int2* tiles;
     index_t q_row_stride, k_row_stride, v_row_stride;   // in elements
-    index_t nq, nk, d, dv;
+    index_t nq, nk, d, dv;    // rows of q and k (of all sequences when packed)
     // Row i attends key j iff i + off - window_left <= j <= i + off + window_right,
     // off = nk - nq. Both are >= 0; "unbounded" arrives as nq + nk.
     index_t window_left, window_right;
@@ -24,6 +46,10 @@ struct AttnParams {
     index_t num_m_blocks;     // query blocks per batch entry
     index_t batch_size;       // entries of the broadcast batch
     index_t grid_group;       // batch entries per group of the grid order (grid_position)
+    // Native grouped-query attention in the dk/dv passes: batch entries are then
+    // K/V entries, each shared by group_size query entries of the flat batch,
+    // group_inner apart there and q_group_stride elements apart in q. Else 1, 1, 0.
+    index_t group_size, group_inner, q_group_stride;
     index_t batch_ndim;       // broadcast batch dims, outermost first
     index_t batch_shape[MAX_BATCH_DIMS];
     index_t q_batch_stride[MAX_BATCH_DIMS];   // 0 where q is broadcast
@@ -42,6 +68,47 @@ struct AttnParams {
         const u32 rank = r / size;   // 0: the block with the most work
         batch = first + r % size;
         block = heavy_last ? num_blocks - 1 - rank : rank;
+    }
+
+    // What this thread block computes; false: nothing (a tile-list entry past the
+    // last). Dense: from grid_position. Packed: tile blockIdx.x / batch_size of the
+    // list (ordered heaviest first by schedule.cuh) for entry blockIdx.x % batch_size,
+    // so the entries of one tile run side by side; the sequence's rows are clamped
+    // to the arrays, so no offset, however wrong, reaches outside them.
+    // PACKED is a template argument so that a dense kernel keeps nq and nk where the
+    // parameters are (the constant bank) rather than in registers.
+    // GRID_ORDER: dense blocks in grid_position's order; else entry by entry, blocks
+    // in order (the portable kernels, whose registers are at the limit).
+    template <bool PACKED, bool GRID_ORDER = true>
+    __device__ __forceinline__ bool find_work(u32 num_blocks, bool heavy_last, Work& w) const {
+        if (!PACKED) {
+            u32 block;
+            if (GRID_ORDER) {
+                grid_position(num_blocks, heavy_last, w.entry, block);
+            } else {
+                w.entry = blockIdx.x / num_blocks;
+                block = blockIdx.x % num_blocks;
+            }
+            w.block = int(block);
+            w.q0 = w.k0 = 0;
+            w.nq = int(nq);
+            w.nk = int(nk);
+            return true;
+        }
+        const u32 entries = u32(batch_size);
+        const int2 tile = tiles[blockIdx.x / entries];
+        if (tile.x < 0) return false;
+        w.entry = blockIdx.x % entries;
+        w.block = tile.y;
+        sequence_rows(cu_seqlens_q, tile.x, int(nq), w.q0, w.nq);
+        sequence_rows(cu_seqlens_k, tile.x, int(nk), w.k0, w.nk);
+        return true;
+    }
+
+    // The flat batch index of member `member` of K/V entry e's query group.
+    __device__ __forceinline__ u32 group_member(u32 e, int member) const {
+        const u32 inner = u32(group_inner);
+        return (e / inner) * (inner * u32(group_size)) + e % inner + u32(member) * inner;
     }
 
     // Element offsets of q, k, v for flat batch index b. The batch count fits
@@ -65,7 +132,8 @@ struct AttnParams {
 
 // The backward adds its inputs and outputs, all contiguous over the broadcast
 // batch: (batch, nq, dv) for out and dout, (batch, nq) for lse and delta,
-// (batch, n, d or dv) for the gradients (summed over broadcast dims afterwards).
+// (batch, n, d or dv) for the gradients; dk and dv have only the K/V entries when
+// the dk/dv pass groups (group_size > 1), else they are summed over broadcast dims afterwards.
 struct BwdParams : AttnParams {
     const void* dout;
     float* delta;             // rowsum(dout * out), float32

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,25 +22,31 @@ def test_kernel_source_has_every_file():
 def test_specializations_cover_every_dtype_and_bucket():
     names = _dispatch.all_specializations()
     n_types, n_dims = len(_dispatch.ELEMENT_TYPES), len(_dispatch.HEAD_DIM_BUCKETS)
-    # per (dtype, head dim): forward, dk/dv, dq; per dtype: delta
-    assert len(names) == len(set(names)) == n_types * (3 * n_dims + 1)
+    # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta; the tile-list builder
+    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 1) + 1
     for dt in _dispatch.ELEMENT_TYPES:
         for hd in _dispatch.HEAD_DIM_BUCKETS:
             item = _dispatch.ELEMENT_TYPES[dt][1]
-            assert _dispatch.fwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
+            for packed in (False, True):
+                assert _dispatch.fwd_tiles(dt, hd, packed).smem_bytes(item) <= 227 * 1024
+                assert _dispatch.fwd_name(dt, _dispatch.fwd_tiles(dt, hd, packed), packed) in names
             assert _dispatch.bwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
 
 
 def test_hopper_specializations_fit_shared_memory():
     names = _dispatch.all_specializations("sm_90a")
-    assert set(_dispatch.all_specializations()) < set(names)
+    portable = set(_dispatch.all_specializations())
+    # on sm_90a the portable kernels remain only where no Hopper kernel exists (float32, odd buckets)
+    assert all("_sm90<" not in n for n in portable) and any("_sm90<" in n for n in names)
+    assert {n for n in names if "_sm90<" not in n} < portable
     for dt in ("float16", "bfloat16"):
         for hd in _dispatch.HEAD_DIM_BUCKETS:
             fwd, bwd = _dispatch.sm90_fwd_tiles(dt, hd), _dispatch.sm90_bwd_tiles(dt, hd)
             assert (fwd is None) == (bwd is None) == (hd % 64 != 0 or hd == 192)
             if fwd is not None:
-                assert _dispatch.sm90_fwd_name(dt, fwd) in names
-                assert set(_dispatch.sm90_bwd_names(dt, bwd)) <= set(names)
+                for packed in (False, True):
+                    assert _dispatch.sm90_fwd_name(dt, fwd, packed) in names
+                    assert set(_dispatch.sm90_bwd_names(dt, bwd, packed)) <= set(names)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _dispatch.sm90_fwd_tiles("float32", 64) is None
@@ -135,12 +142,61 @@ def test_call_signature_separates_what_the_checks_depend_on():
 def test_pointers_land_in_their_fields():
     record = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
     record[0]["nq"], record[0]["num_n_blocks"] = 77, 5
-    names = ("q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv_grad")
+    names = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "tiles", "dout", "delta", "dq", "dk",
+             "dv_grad")
     arrays = [_FakeArray((1,), (2,), 4096 * (i + 1)) for i in range(len(names))]
+    arrays[6] = None   # a null pointer
     arg = _params.with_pointers(record, arrays)
     assert arg.shape == (1,) and arg.nbytes == record.nbytes
     filled = arg.view(_params.BWD_PARAMS_DTYPE)[0]
-    assert [int(filled[n]) for n in names] == [4096 * (i + 1) for i in range(len(names))]
+    want = [0 if a is None else a.data.ptr for a in arrays]
+    assert [int(filled[n]) for n in names] == want
     assert filled["nq"] == 77 and filled["num_n_blocks"] == 5 and record[0]["q"] == 0
-    fwd = _params.with_pointers(np.zeros(1, dtype=_params.PARAMS_DTYPE), arrays[:5]).view(_params.PARAMS_DTYPE)[0]
-    assert [int(fwd[n]) for n in names[:5]] == [4096 * (i + 1) for i in range(5)]
+    fwd = _params.with_pointers(np.zeros(1, dtype=_params.PARAMS_DTYPE), arrays[:8]).view(_params.PARAMS_DTYPE)[0]
+    assert [int(fwd[n]) for n in names[:8]] == want[:8]
+
+
+def _group_of(q_shape, k_shape, v_shape=None):
+    arrays = [np.empty(s, dtype=np.float16) for s in (q_shape, k_shape, v_shape or k_shape)]
+    batch = _checks.check_shapes(*(a.shape for a in arrays))
+    kshape, kstrides = _checks._batch_layout(batch, arrays)
+    return _checks.query_group(batch, [a.shape for a in arrays], kshape, kstrides), kshape
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape, want",
+    [
+        ((2, 3, 50, 64), (2, 1, 50, 64), None, (3, 3)),                  # GQA along the heads
+        ((2, 8, 4, 50, 64), (2, 8, 1, 50, 64), None, (4, 4)),            # (B, Hkv, G) against (B, Hkv, 1)
+        ((2, 16, 50, 64), (50, 64), None, (32, 32)),                      # one K/V for every entry
+        ((4, 16, 50, 64), (1, 16, 50, 64), None, (4, 4)),                 # k shared across the batch
+        ((2, 3, 50, 64), (2, 1, 50, 64), (2, 3, 50, 64), None),           # k broadcast, v not
+        ((2, 8, 4, 50, 64), (1, 8, 1, 50, 64), None, None),               # two separate broadcast dims
+        ((2, 3, 50, 64), (2, 3, 50, 64), None, None),                     # nothing shared
+    ],
+)
+def test_query_group(q_shape, k_shape, v_shape, want):
+    group, kshape = _group_of(q_shape, k_shape, v_shape)
+    if want is None:
+        assert group is None
+    else:
+        dim, size, q_stride = group
+        assert (size, kshape[dim]) == want and q_stride != 0
+
+
+def test_dkdv_layout_splits_groups_only_when_blocks_are_few():
+    q = np.empty((1, 2, 8, 256, 64), dtype=np.float16)
+    k = np.empty((1, 2, 1, 256, 64), dtype=np.float16)
+    batch = (1, 2, 8)
+    kshape, kstrides = _checks._batch_layout(batch, (q, k, k))
+    group = _checks.query_group(batch, (q.shape, k.shape, k.shape), kshape, kstrides)
+
+    class X:   # what dkdv_layout reads of AttnInputs
+        batch_size, left, right = 16, None, 0
+        kernel_batch_shape, kernel_batch_strides = kshape, kstrides
+    X.group = group
+    few, entries = _dispatch.dkdv_layout(X, key_blocks=4, slots=264)
+    assert entries == (2, 4, 1) and few.entries == 8 and few.group_size == 2
+    assert few.shape == (2, 4, 2) and few.strides[0] == (8 * 256 * 64, 2 * 256 * 64, 256 * 64)
+    many, entries = _dispatch.dkdv_layout(X, key_blocks=1000, slots=264)
+    assert entries == (2, 1, 1) and many.entries == 2 and many.group_size == 8 and many.shape == kshape

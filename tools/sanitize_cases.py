@@ -7,7 +7,10 @@ Covers float16, bfloat16 and float32; D in {64, 128, 256}; no mask, causal and a
 odd lengths (Nq = 67, Nk = 93); Nq > Nk with causal (rows that see no key) and with a
 window; a GQA broadcast (k, v shared by 3 query heads); D != Dv (40 and 72, both padded
 to the 96 head-dim bucket) on strided (B, N, H, D) -> (B, H, N, D) views; head dims that are
-not a multiple of 8 (59 and 13, zero-padded into copies). Each case runs the forward and the
+not a multiple of 8 (59 and 13, zero-padded into copies); packed variable-length sequences
+(empty ones, ones without keys, GQA with groups split over blocks) and packed calls with
+bad offsets under check=False (the backward given initialized out and lse, since rows no
+sequence owns are left unwritten by the forward). Each case runs the forward and the
 backward (attention_vjp).
 
 CuPy's memory pool is switched off, so that every array is its own cudaMalloc: memcheck
@@ -70,6 +73,28 @@ for dtype in ("float16", "bfloat16", "float32"):
     # D = 59, Dv = 13: zero-padded copies (to 64 and 16), the padding sliced off the results
     q, k, v = randn((2, 67, 59), dtype), randn((2, 93, 59), dtype), randn((2, 93, 13), dtype)
     ok &= run_case(f"{dtype} D=59 Dv=13 (padded) causal", q, k, v, causal=True)
+
+# packed sequences: lengths with zeros, GQA 4:1, causal; and groups split over blocks (MQA, few keys)
+for dtype in ("float16", "bfloat16", "float32"):
+    lengths_q, lengths_k = [70, 0, 5, 130, 64], [70, 9, 0, 200, 1]
+    cu_q = cupy.asarray(np.cumsum([0] + lengths_q), dtype=cupy.int32)
+    cu_k = cupy.asarray(np.cumsum([0] + lengths_k), dtype=cupy.int32)
+    q = randn((2, 4, sum(lengths_q), 128), dtype)
+    k, v = randn((2, 1, sum(lengths_k), 128), dtype), randn((2, 1, sum(lengths_k), 128), dtype)
+    ok &= run_case(f"{dtype} D=128 packed GQA 2x4 causal", q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    q, k, v = randn((1, 16, 256, 64), dtype), randn((1, 1, 256, 64), dtype), randn((1, 1, 256, 64), dtype)
+    ok &= run_case(f"{dtype} D=64 MQA 16:1 split groups causal", q, k, v, causal=True)
+
+# bad offsets, check=False: wrong rows, but no access outside the arrays
+for cu in ([0, 300, 100, 5000], [-7, 120, 2**31 - 1], [0, 2**31 - 1, 0, 2**31 - 1]):
+    cu = cupy.asarray(cu, dtype=cupy.int32)
+    q, k, v, dout = (randn((2, 400, 64), "float16") for _ in range(4))
+    seqs = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "check": False}
+    cuflash.attention(q, k, v, causal=True, **seqs)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)   # every row written
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **seqs)
+    cupy.cuda.Device().synchronize()
+    print(f"bad offsets {cu.get().tolist()} check=False: ran", flush=True)
 
 print("all outputs finite" if ok else "SOME OUTPUTS ARE NOT FINITE", flush=True)
 sys.exit(0 if ok else 1)
