@@ -42,7 +42,7 @@ FWD_CANDIDATES = {
 # (one warpgroup per block and 2-3 blocks per SM: the blocks' prologues and softmaxes
 # overlap each other's products without a barrier between them)
 SM90_FWD_CANDIDATES = {
-    64: [(64, 2, 2, 1), (128, 2, 2, 1), (64, 1, 2, 2), (64, 1, 2, 3), (128, 1, 2, 2)],
+    64: [(64, 2, 2, 1), (128, 2, 2, 1), (64, 1, 2, 2), (64, 1, 2, 3), (64, 1, 2, 4), (128, 1, 2, 2)],
     128: [(128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
     256: [(64, 2, 2, 1)],
 }

@@ -88,6 +88,9 @@ class Sm90FwdTiles:
     warpgroups: int  # each owns 64 query rows
     stages: int = 2  # K and V blocks in flight
     min_blocks: int = 1  # blocks per SM the registers are budgeted for
+    # blocks run several tiles each when there are more than fit the GPU at once, loading
+    # the next during the last product of one (kernels/attn_fwd_sm90.cuh: MULTI_TILE)
+    multi_tile: bool = False
 
     @property
     def block_m(self) -> int:
@@ -102,21 +105,31 @@ class Sm90FwdTiles:
         return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
 
 
-def sm90_fwd_tiles(dtype_name: str, head_dim: int) -> Sm90FwdTiles | None:
+def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, masked: bool = True) -> Sm90FwdTiles | None:
     """The Hopper forward tiles for (dtype, head-dim bucket), or None where the
-    portable kernel runs instead (float32, head dims that are not whole 64-column panels)."""
+    portable kernel runs instead (float32, head dims that are not whole 64-column panels).
+
+    ``keys``: the keys per tile (of each sequence; mean over packed sequences), None when
+    not known; short ones change the tiles, by measurement (bench/NOTES.md v10)."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
+    short = keys is not None and keys <= SHORT_KEYS
+    if short and head_dim == 64 and keys <= 128:
+        # one warpgroup per block, three blocks per SM, each block running tiles in turn
+        return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=3, multi_tile=True)
     # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage
-    # gained nothing, and 64-key blocks beat 128 at head dim 64
+    # gained nothing, and 64-key blocks beat 128 at head dim 64; several tiles per
+    # block gain without a mask at head dim 128 (and lose under causal masks, whose
+    # tiles differ in work: the blocks' tiles are fixed in advance)
     block_n = 128 if head_dim == 128 else 64
-    return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2)
+    multi = short and head_dim == 128 and not masked
+    return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2, multi_tile=multi)
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    rest = f"{t.warpgroups}, {t.stages}, {t.min_blocks}, {_flag(packed)}"
+    rest = f"{t.warpgroups}, {t.stages}, {t.min_blocks}, {_flag(packed)}, {_flag(t.multi_tile)}"
     return f"cuflash::attn_fwd_sm90<{elem}, {t.head_dim}, {t.block_n}, {rest}>"
 
 
@@ -252,7 +265,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             for packed in (False, True):
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
-                    names.append(sm90_fwd_name(dt, sm90, packed))
+                    short = (sm90_fwd_tiles(dt, hd, keys, masked) for keys in (64, SHORT_KEYS) for masked in (0, 1))
+                    names.extend({sm90_fwd_name(dt, t, packed): None for t in (sm90, *short)})
                     names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd), packed))
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
@@ -315,6 +329,34 @@ class Launches:
     dkdv_entries: tuple[int, int, int] | None = None
 
 
+# Keys per tile up to which the Hopper forward runs a grid of at most what fits the GPU at
+# once, each block running several tiles (by measurement, bench/NOTES.md)
+SHORT_KEYS = 1024
+
+_occupancy: dict = {}
+
+
+def blocks_per_sm(fn, threads: int, smem: int) -> int:
+    """How many blocks of ``fn`` fit on one multiprocessor at once, by its registers, its
+    shared memory and its threads (the occupancy rules of compute capability 8.0 and 9.0:
+    registers in units of 256 per warp, 1 KB of shared memory reserved per block)."""
+    key = (fn.num_regs, threads, smem)
+    n = _occupancy.get(key)
+    if n is None:
+        import cupy
+
+        attrs = cupy.cuda.Device().attributes
+        warps = -(-threads // 32)
+        regs_per_warp = -(-fn.num_regs * 32 // 256) * 256
+        n = min(
+            attrs["MaxRegistersPerMultiprocessor"] // max(1, warps * regs_per_warp),
+            attrs["MaxSharedMemoryPerMultiprocessor"] // (smem + 1024),
+            attrs["MaxThreadsPerMultiProcessor"] // threads,
+        )
+        n = _occupancy[key] = max(1, n)
+    return n
+
+
 _sm_counts: dict = {}
 
 
@@ -351,16 +393,23 @@ def forward_launches(x) -> Launches:
     after the one that lists its tiles when the sequences are packed."""
     head_dim = head_dim_bucket(x.d, x.dv)
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
-    sm90 = sm90_fwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
+    packed = x.packed is not None
+    keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
+    masked = x.left is not None or x.right is not None
+    sm90 = sm90_fwd_tiles(x.dtype_name, head_dim, keys, masked) if _compile.current_arch() == "sm_90a" else None
     if sm90 is not None:
         smem, block_m, threads, cols = sm90.smem_bytes(itemsize), sm90.block_m, sm90.threads, 1
-        fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90, x.packed is not None), smem)
+        fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90, packed), smem)
     else:
-        tiles = fwd_tiles(x.dtype_name, head_dim, x.packed is not None)
+        tiles = fwd_tiles(x.dtype_name, head_dim, packed)
         smem, block_m, threads, cols = tiles.smem_bytes(itemsize), tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
-        fn = _compile.get_function(fwd_name(x.dtype_name, tiles, x.packed is not None), smem)
+        fn = _compile.get_function(fwd_name(x.dtype_name, tiles, packed), smem)
     params = _params.attn_params(x, block_m)
     blocks, capacity = _row_blocks(x, block_m, False, x.batch_size)
+    params[0]["num_tiles"] = blocks
+    if sm90 is not None and sm90.multi_tile:
+        # short sequences: a grid that fits the GPU at once, each block running tiles in turn
+        blocks = min(blocks, sm_count() * blocks_per_sm(fn, threads, smem))
     main = Launch(fn, (blocks, max(1, cols)), threads, smem, params)
     if not capacity:
         return Launches((main,))
@@ -372,20 +421,20 @@ def dkdv_layout(x, key_blocks: int, slots: int):
     or (the common layout, None) when it does not group.
 
     Grouped, each block sums dk and dv over the query heads of its K/V head, so there are
-    G times fewer blocks. When that leaves fewer than two waves of blocks under a mask (one
-    wave without), each group is split in `split` parts (the smallest divisor of G that
-    fills the waves, at most G / 2) whose partial sums the call adds afterwards."""
+    G times fewer blocks. When that leaves fewer blocks than fit the GPU at once, each
+    group is split in `split` parts (the smallest divisor of G that fills it, at most G / 2)
+    whose partial sums the call adds afterwards (by measurement, bench/NOTES.md v10: more
+    parts cost more than the balance they add)."""
     layout = _params.batch_layout(x)
     if x.group is None:
         return layout, None
     dim, size, q_stride = x.group
     shape, strides = list(layout.shape), [list(st) for st in layout.strides]
     entries = x.batch_size // size
-    waves = 1 if x.left is None and x.right is None else 2
     split = 1
-    if entries * key_blocks < waves * slots and len(shape) < _params.MAX_BATCH_DIMS:
+    if entries * key_blocks < slots and len(shape) < _params.MAX_BATCH_DIMS:
         divisors = [r for r in range(2, size // 2 + 1) if size % r == 0]
-        enough = [r for r in divisors if entries * r * key_blocks >= waves * slots]
+        enough = [r for r in divisors if entries * r * key_blocks >= slots]
         split = enough[0] if enough else (divisors[-1] if divisors else 1)
     before, after = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
     if split > 1:

@@ -23,6 +23,7 @@ PARAMS_DTYPE = np.dtype(
         ("window_left", np.int64), ("window_right", np.int64),
         ("scale_log2", np.float64),
         ("num_m_blocks", np.int64),
+        ("num_tiles", np.int64),
         ("batch_size", np.int64),
         ("grid_group", np.int64),
         ("group_size", np.int64), ("group_inner", np.int64), ("q_group_stride", np.int64),
@@ -132,7 +133,7 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
         unbounded if x.left is None else min(x.left, unbounded),
         unbounded if x.right is None else min(x.right, unbounded),
         x.scale * math.log2(math.e),
-        -(-x.nq // block_m), layout.entries, grid_group(x, layout.entries),
+        -(-x.nq // block_m), 0, layout.entries, grid_group(x, layout.entries),
         layout.group_size, layout.group_inner, layout.q_group_stride,
         n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides,
     )

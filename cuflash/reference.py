@@ -2,9 +2,8 @@
 
 `attention` and `attention_backward` have the signatures and semantics of
 `cuflash.attention` and `cuflash.attention_backward` (masks, broadcasting, fully masked rows),
-but take NumPy arrays and compute everything in float64 with the full score matrix. They also
-take packed variable-length sequences (``cu_seqlens_q``, ``cu_seqlens_k``; docs/contract.md),
-which the GPU functions do not take yet.
+but take NumPy arrays and compute everything in float64 with the full score matrix, packed
+variable-length sequences (``cu_seqlens_q``, ``cu_seqlens_k``; docs/contract.md) included.
 
 `tiled_attention` computes the same forward the way the GPU kernel does: blocks of query rows,
 key blocks skipped outside the mask band, an online softmax in the log2 domain, masks applied

@@ -81,26 +81,50 @@ __device__ __forceinline__ void store_rows(typename T::storage* g, const float (
 // The query side of a dk/dv block: the blocks of STEP query rows that see its keys,
 // for each member of its K/V entry's query group in turn (one member unless the
 // pass groups: native grouped-query attention), so that dk and dv sum over the
-// group in registers. Step j's rows start at row m0 of the sequence; q_off is their
-// offset in q from member 0's entry, row their flat row in dout, lse and delta.
+// group in registers. Steps are visited in order, each by a Cursor that moves one
+// step at a time (no division per step).
 template <int STEP>
 struct QuerySteps {
     const AttnParams& p;   // read where used: the parameters stay in the constant bank
     u32 kv_entry;
-    int q0, mb_begin, per_member, count;
+    int q0, mb_begin, mb_end, count;
+
+    // A step: its block starts at row m0 of the sequence; member_q and member_row are
+    // q's offset (from member 0's entry) and the flat row (in dout, lse, delta) of the
+    // member's first sequence row.
+    struct Cursor {
+        int m0;
+        index_t member_q, member_row;
+    };
 
     __device__ __forceinline__ QuerySteps(const AttnParams& p, const Work& w, int mb_begin, int mb_end)
-        : p(p), kv_entry(w.entry), q0(w.q0), mb_begin(mb_begin), per_member(mb_end - mb_begin),
+        : p(p), kv_entry(w.entry), q0(w.q0), mb_begin(mb_begin), mb_end(mb_end),
           count((mb_end - mb_begin) * int(p.group_size)) {}
 
-    __device__ __forceinline__ void at(int j, int& m0, index_t& q_off, index_t& row) const {
-        const int member = j / per_member;
+    __device__ __forceinline__ Cursor first() const {
+        return {mb_begin * STEP, 0, index_t(p.group_member(kv_entry, 0)) * p.nq + q0};
+    }
+    __device__ __forceinline__ void advance(Cursor& c) const {
+        c.m0 += STEP;
+        if (c.m0 >= mb_end * STEP) {   // the next member's first block
+            c.m0 = mb_begin * STEP;
+            c.member_q += p.q_group_stride;
+            c.member_row += p.group_inner * p.nq;
+        }
+    }
+    __device__ __forceinline__ index_t q_offset(const Cursor& c) const {
+        return c.member_q + index_t(q0 + c.m0) * p.q_row_stride;
+    }
+    __device__ __forceinline__ index_t row(const Cursor& c) const { return c.member_row + c.m0; }
+    // Step j's place computed afresh (for kernels whose registers cannot hold a Cursor)
+    __device__ __forceinline__ void at(int j, int& m0, index_t& q_off, index_t& flat_row) const {
+        const int per_member = mb_end - mb_begin, member = j / per_member;
         m0 = (mb_begin + j - member * per_member) * STEP;
         q_off = member * p.q_group_stride + index_t(q0 + m0) * p.q_row_stride;
-        row = index_t(p.group_member(kv_entry, member)) * p.nq + q0 + m0;
+        flat_row = index_t(p.group_member(kv_entry, member)) * p.nq + q0 + m0;
     }
-    // the query block of the step after one at block mb (the loops count blocks, not divide)
-    __device__ __forceinline__ int next_block(int mb) const { return mb + 1 == mb_begin + per_member ? mb_begin : mb + 1; }
+    // the query block of the step after one at block mb
+    __device__ __forceinline__ int next_block(int mb) const { return mb + 1 == mb_end ? mb_begin : mb + 1; }
 };
 
 // dk and dv for RESIDENT keys of one sequence of one batch entry (one K/V entry

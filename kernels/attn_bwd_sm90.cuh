@@ -41,26 +41,27 @@ struct QueryRowStats {
 
     // before the first fill, which is of step 0
     __device__ __forceinline__ void prime() {
-        if (PREFETCH) fetch(0);
+        if (PREFETCH) fetch();
     }
     // stage `stage` gets step j's rows (fills come in step order)
     __device__ __forceinline__ void fill(int j, int stage) {
-        if (!PREFETCH) fetch(j);
+        if (!PREFETCH) fetch();
         if (threadIdx.x < STEP) {
             s_lse2[stage * STEP + threadIdx.x] = lse_to_log2(lse);
             s_delta[stage * STEP + threadIdx.x] = delta;
         }
-        if (PREFETCH && j + 1 < steps.count) fetch(j + 1);
+        if (PREFETCH && j + 1 < steps.count) fetch();
     }
 
   private:
-    __device__ __forceinline__ void fetch(int j) {
-        int m0;
-        index_t q_off, row;
-        steps.at(j, m0, q_off, row);
-        const bool inside = threadIdx.x < STEP && m0 + int(threadIdx.x) < nq;
+    typename QuerySteps<STEP>::Cursor next = steps.first();   // the step fetched next
+
+    __device__ __forceinline__ void fetch() {
+        const index_t row = steps.row(next);
+        const bool inside = threadIdx.x < STEP && next.m0 + int(threadIdx.x) < nq;
         lse = inside ? g_lse[row + threadIdx.x] : -CUFLASH_INF;
         delta = inside ? g_delta[row + threadIdx.x] : 0.f;
+        steps.advance(next);
     }
 };
 
@@ -107,13 +108,15 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
 
     QueryRowStats<STEP, Cfg::THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
+    auto loads = steps.first();   // the next step to load
     auto load_step = [&](int j, int stage) {
-        int m0;
-        index_t qo, row;
-        steps.at(j, m0, qo, row);
-        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + qo, p.q_row_stride, nq - m0, d);
-        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + row * p.dv, p.dv, nq - m0, dv);
+        const int m0 = loads.m0;
+        load_tile_async<STile, Cfg::THREADS>(s_q + stage * STEP_BYTES, g_q + steps.q_offset(loads), p.q_row_stride,
+                                             nq - m0, d);
+        load_tile_async<STile, Cfg::THREADS>(s_do + stage * STEP_BYTES, g_do + steps.row(loads) * p.dv, p.dv,
+                                             nq - m0, dv);
         stats.fill(j, stage);
+        steps.advance(loads);
     };
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
@@ -289,13 +292,14 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
 
     QueryRowStats<STEP, THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
+    auto loads = steps.first();   // the next step to load
     auto load_step = [&](int j, int stage) {
-        int m0;
-        index_t qo, row;
-        steps.at(j, m0, qo, row);
-        load_tile_async<STile, THREADS>(s_q + stage * STEP_BYTES, g_q + qo, p.q_row_stride, nq - m0, d);
-        load_tile_async<STile, THREADS>(s_do + stage * STEP_BYTES, g_do + row * p.dv, p.dv, nq - m0, dv);
+        const int m0 = loads.m0;
+        load_tile_async<STile, THREADS>(s_q + stage * STEP_BYTES, g_q + steps.q_offset(loads), p.q_row_stride,
+                                        nq - m0, d);
+        load_tile_async<STile, THREADS>(s_do + stage * STEP_BYTES, g_do + steps.row(loads) * p.dv, p.dv, nq - m0, dv);
         stats.fill(j, stage);
+        steps.advance(loads);
     };
 
     float acc[1][D_TILES][4];   // dv in warpgroup 0, dk in warpgroup 1

@@ -44,6 +44,7 @@ struct AttnParams {
     index_t window_left, window_right;
     double scale_log2;        // softmax scale * log2(e): exp2 replaces exp
     index_t num_m_blocks;     // query blocks per batch entry
+    index_t num_tiles;        // the forward's tiles: blocks of a smaller grid run several in turn
     index_t batch_size;       // entries of the broadcast batch
     index_t grid_group;       // batch entries per group of the grid order (grid_position)
     // Native grouped-query attention in the dk/dv passes: batch entries are then
@@ -61,33 +62,34 @@ struct AttnParams {
     // once share their K and V (or Q and dO) in L2; within a group the blocks
     // with the most keys under a causal mask go first (block num_blocks - 1 when
     // heavy_last), so the light ones fill the end of the grid.
-    __device__ __forceinline__ void grid_position(u32 num_blocks, bool heavy_last, u32& batch, u32& block) const {
+    __device__ __forceinline__ void grid_position(u32 index, u32 num_blocks, bool heavy_last, u32& batch, u32& block) const {
         const u32 group = u32(grid_group), per_group = group * num_blocks;
-        const u32 first = blockIdx.x / per_group * group, r = blockIdx.x % per_group;
+        const u32 first = index / per_group * group, r = index % per_group;
         const u32 size = min(group, u32(batch_size) - first);
         const u32 rank = r / size;   // 0: the block with the most work
         batch = first + r % size;
         block = heavy_last ? num_blocks - 1 - rank : rank;
     }
 
-    // What this thread block computes; false: nothing (a tile-list entry past the
-    // last). Dense: from grid_position. Packed: tile blockIdx.x / batch_size of the
-    // list (ordered heaviest first by schedule.cuh) for entry blockIdx.x % batch_size,
-    // so the entries of one tile run side by side; the sequence's rows are clamped
-    // to the arrays, so no offset, however wrong, reaches outside them.
+    // The work of tile `index` (blockIdx.x, unless a block runs several); false:
+    // nothing (a tile-list entry past the last, and so are all later ones). Dense:
+    // from grid_position. Packed: entry index / batch_size of the list (ordered
+    // heaviest first by schedule.cuh) for entry index % batch_size, so the entries
+    // of one tile run side by side; the sequence's rows are clamped to the arrays,
+    // so no offset, however wrong, reaches outside them.
     // PACKED is a template argument so that a dense kernel keeps nq and nk where the
     // parameters are (the constant bank) rather than in registers.
     // GRID_ORDER: dense blocks in grid_position's order; else entry by entry, blocks
     // in order (the portable kernels, whose registers are at the limit).
     template <bool PACKED, bool GRID_ORDER = true>
-    __device__ __forceinline__ bool find_work(u32 num_blocks, bool heavy_last, Work& w) const {
+    __device__ __forceinline__ bool work_at(u32 index, u32 num_blocks, bool heavy_last, Work& w) const {
         if (!PACKED) {
             u32 block;
             if (GRID_ORDER) {
-                grid_position(num_blocks, heavy_last, w.entry, block);
+                grid_position(index, num_blocks, heavy_last, w.entry, block);
             } else {
-                w.entry = blockIdx.x / num_blocks;
-                block = blockIdx.x % num_blocks;
+                w.entry = index / num_blocks;
+                block = index % num_blocks;
             }
             w.block = int(block);
             w.q0 = w.k0 = 0;
@@ -96,13 +98,18 @@ struct AttnParams {
             return true;
         }
         const u32 entries = u32(batch_size);
-        const int2 tile = tiles[blockIdx.x / entries];
+        const int2 tile = tiles[index / entries];
         if (tile.x < 0) return false;
-        w.entry = blockIdx.x % entries;
+        w.entry = index % entries;
         w.block = tile.y;
         sequence_rows(cu_seqlens_q, tile.x, int(nq), w.q0, w.nq);
         sequence_rows(cu_seqlens_k, tile.x, int(nk), w.k0, w.nk);
         return true;
+    }
+
+    template <bool PACKED, bool GRID_ORDER = true>
+    __device__ __forceinline__ bool find_work(u32 num_blocks, bool heavy_last, Work& w) const {
+        return work_at<PACKED, GRID_ORDER>(blockIdx.x, num_blocks, heavy_last, w);
     }
 
     // The flat batch index of member `member` of K/V entry e's query group.

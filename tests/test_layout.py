@@ -46,6 +46,10 @@ def test_hopper_specializations_fit_shared_memory():
             if fwd is not None:
                 for packed in (False, True):
                     assert _dispatch.sm90_fwd_name(dt, fwd, packed) in names
+                    for keys, masked in ((64, False), (64, True), (1000, False), (5000, True)):
+                        tiles = _dispatch.sm90_fwd_tiles(dt, hd, keys, masked)
+                        assert _dispatch.sm90_fwd_name(dt, tiles, packed) in names
+                        assert tiles.smem_bytes(2) <= 232448
                     assert set(_dispatch.sm90_bwd_names(dt, bwd, packed)) <= set(names)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
@@ -195,8 +199,10 @@ def test_dkdv_layout_splits_groups_only_when_blocks_are_few():
         batch_size, left, right = 16, None, 0
         kernel_batch_shape, kernel_batch_strides = kshape, kstrides
     X.group = group
-    few, entries = _dispatch.dkdv_layout(X, key_blocks=4, slots=264)
+    few, entries = _dispatch.dkdv_layout(X, key_blocks=4, slots=264)   # 2 x 4 blocks: the largest split, 4
     assert entries == (2, 4, 1) and few.entries == 8 and few.group_size == 2
     assert few.shape == (2, 4, 2) and few.strides[0] == (8 * 256 * 64, 2 * 256 * 64, 256 * 64)
+    some, entries = _dispatch.dkdv_layout(X, key_blocks=40, slots=132)   # 2 x 40 blocks: 2 parts fill the GPU
+    assert entries == (2, 2, 1) and some.group_size == 4
     many, entries = _dispatch.dkdv_layout(X, key_blocks=1000, slots=264)
     assert entries == (2, 1, 1) and many.entries == 2 and many.group_size == 8 and many.shape == kshape

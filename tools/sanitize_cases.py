@@ -8,7 +8,8 @@ odd lengths (Nq = 67, Nk = 93); Nq > Nk with causal (rows that see no key) and w
 window; a GQA broadcast (k, v shared by 3 query heads); D != Dv (40 and 72, both padded
 to the 96 head-dim bucket) on strided (B, N, H, D) -> (B, H, N, D) views; head dims that are
 not a multiple of 8 (59 and 13, zero-padded into copies); packed variable-length sequences
-(empty ones, ones without keys, GQA with groups split over blocks) and packed calls with
+(empty ones, ones without keys, GQA with groups split over blocks), many short sequences
+(forward blocks that run several tiles each) and packed calls with
 bad offsets under check=False (the backward given initialized out and lse, since rows no
 sequence owns are left unwritten by the forward). Each case runs the forward and the
 backward (attention_vjp).
@@ -84,6 +85,11 @@ for dtype in ("float16", "bfloat16", "float32"):
     ok &= run_case(f"{dtype} D=128 packed GQA 2x4 causal", q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     q, k, v = randn((1, 16, 256, 64), dtype), randn((1, 1, 256, 64), dtype), randn((1, 1, 256, 64), dtype)
     ok &= run_case(f"{dtype} D=64 MQA 16:1 split groups causal", q, k, v, causal=True)
+
+# many short sequences: blocks of the forward run several tiles each
+for d, n, mask in ((64, 100, {"causal": True}), (128, 190, {})):
+    q, k, v = (randn((64, 8, n, d), "bfloat16") for _ in range(3))
+    ok &= run_case(f"bfloat16 D={d} 64x8 heads N={n} several tiles per block {mask}", q, k, v, **mask)
 
 # bad offsets, check=False: wrong rows, but no access outside the arrays
 for cu in ([0, 300, 100, 5000], [-7, 120, 2**31 - 1], [0, 2**31 - 1, 0, 2**31 - 1]):
