@@ -147,12 +147,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
 
 def _sum_split(cupy, g, x):
     """The grouped dk or dv from the kernels' partial sums over parts of each query group,
-    (before, split, after, nk, d): added in float32, in the shape of x as the kernels read it.
-    (Element-wise adds of whole parts: CuPy's sum over the middle axis is slower.)"""
-    total = g[:, 0].astype(cupy.float32)
-    for part in range(1, g.shape[1]):
-        total += g[:, part].astype(cupy.float32)
-    return total.astype(g.dtype).reshape(x.shape[:-2] + g.shape[-2:])
+    (before, split, after, nk, d): added in float32 by one kernel, in the shape of x as the
+    kernels read it."""
+    return _dispatch.sum_parts(cupy, g).reshape(x.shape[:-2] + g.shape[-2:])
 
 
 def _gradient_of(cupy, g, x):

@@ -25,6 +25,7 @@ KERNEL_FILES = (
     "softmax.cuh",
     "tile_config.cuh",
     "schedule.cuh",
+    "reduce.cuh",
     "attn_fwd.cuh",
     "attn_fwd_sm90.cuh",
     "attn_bwd.cuh",

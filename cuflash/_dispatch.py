@@ -271,7 +271,23 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
                     names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
-    return names + ["cuflash::build_tile_list"]
+    return names + ["cuflash::build_tile_list"] + [sum_parts_name(dt) for dt in ELEMENT_TYPES]
+
+
+def sum_parts_name(dtype_name: str) -> str:
+    return f"cuflash::sum_parts<{ELEMENT_TYPES[dtype_name][0]}>"
+
+
+def sum_parts(cupy, partial):
+    """(before, parts, ...) partial sums of a split grouped dk/dv pass, added in float32 by one
+    kernel (kernels/reduce.cuh): (before, ...)."""
+    before, parts = partial.shape[:2]
+    total = cupy.empty((before,) + partial.shape[2:], dtype=partial.dtype)
+    if total.size:
+        fn = _compile.get_function(sum_parts_name(partial.dtype.name), 0)
+        blocks = min(-(-total.size // 512), 8 * sm_count())
+        fn((blocks,), (256,), (partial, total, np.int64(before), np.int32(parts), np.int64(total.size // before)))
+    return total
 
 
 # The arrays of a call, in the order the launches' ``fields`` index them: a record's

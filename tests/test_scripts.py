@@ -27,6 +27,7 @@ SCRIPTS = [
     ("bench/host_overhead.py", []),
     ("bench/profile_case.py", []),
     ("bench/tune_tiles.py", []),
+    ("tools/warm_cache.py", []),
 ]
 
 
