@@ -21,6 +21,7 @@ KERNEL_FILES = (
     "smem.cuh",
     "mma.cuh",
     "wgmma.cuh",
+    "mbarrier.cuh",
     "mask.cuh",
     "softmax.cuh",
     "tile_config.cuh",
@@ -28,6 +29,7 @@ KERNEL_FILES = (
     "reduce.cuh",
     "attn_fwd.cuh",
     "attn_fwd_sm90.cuh",
+    "attn_fwd_sm90_ws.cuh",
     "attn_bwd.cuh",
     "attn_bwd_sm90.cuh",
 )

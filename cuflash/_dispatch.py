@@ -126,6 +126,37 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, mask
     return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2, multi_tile=multi)
 
 
+@dataclass(frozen=True)
+class Sm90WsFwdTiles:
+    """Tile shape of the Hopper forward with a loading warpgroup (kernels/attn_fwd_sm90_ws.cuh):
+    128 query rows per tile over two computing warpgroups, one block per SM running tiles in turn."""
+
+    head_dim: int  # d and dv padded up to this bucket, a multiple of 64
+    block_n: int  # keys per ring buffer
+    stages: int  # K and V buffers in the ring
+    block_m = 128
+    threads = 384
+
+    def smem_bytes(self, itemsize: int) -> int:
+        # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (two Q buffers, the ring, 8-byte barriers)
+        return 1024 + (2 * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize + 8 * (4 + 4 * self.stages)
+
+
+def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
+    """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
+    measurement (bench/NOTES.md v11): head dim 128 with at most WS_KEYS keys per tile
+    (of each sequence; the mean over packed ones). None elsewhere."""
+    if dtype_name == "float32" or head_dim != 128 or keys is None or keys > WS_KEYS:
+        return None
+    return Sm90WsFwdTiles(128, 128, stages=2)
+
+
+def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
+    elem = ELEMENT_TYPES[dtype_name][0]
+    t = tiles
+    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {_flag(packed)}>"
+
+
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
@@ -267,6 +298,9 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 if sm90 is not None:   # then the portable kernels never run there
                     short = (sm90_fwd_tiles(dt, hd, keys, masked) for keys in (64, SHORT_KEYS) for masked in (0, 1))
                     names.extend({sm90_fwd_name(dt, t, packed): None for t in (sm90, *short)})
+                    ws = sm90_ws_fwd_tiles(dt, hd, WS_KEYS)
+                    if ws is not None:
+                        names.append(sm90_ws_fwd_name(dt, ws, packed))
                     names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd), packed))
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
@@ -313,8 +347,12 @@ class Launch:
     params: np.ndarray  # AttnParams or BwdParams, pointers 0
     fields: tuple[int, ...] = _FWD_FIELDS  # the record's pointers, as indices into the arrays
 
+    def __post_init__(self):
+        # the record as launches read it, built once per plan rather than per call
+        object.__setattr__(self, "_record", _params.Record(self.params))
+
     def run(self, arrays) -> None:
-        record = _params.with_pointers(self.params, [arrays[i] for i in self.fields])
+        record = self._record.fill([arrays[i] for i in self.fields])
         self.fn(self.grid, (self.threads,), (record,), shared_mem=self.smem)
 
 
@@ -348,6 +386,8 @@ class Launches:
 # Keys per tile up to which the Hopper forward runs a grid of at most what fits the GPU at
 # once, each block running several tiles (by measurement, bench/NOTES.md)
 SHORT_KEYS = 1024
+# ... and up to which the Hopper forward with a loading warpgroup runs at head dim 128
+WS_KEYS = 512
 
 _occupancy: dict = {}
 
@@ -412,8 +452,13 @@ def forward_launches(x) -> Launches:
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
     masked = x.left is not None or x.right is not None
-    sm90 = sm90_fwd_tiles(x.dtype_name, head_dim, keys, masked) if _compile.current_arch() == "sm_90a" else None
-    if sm90 is not None:
+    hopper = _compile.current_arch() == "sm_90a"
+    ws = sm90_ws_fwd_tiles(x.dtype_name, head_dim, keys) if hopper else None
+    sm90 = sm90_fwd_tiles(x.dtype_name, head_dim, keys, masked) if hopper and ws is None else None
+    if ws is not None:
+        smem, block_m, threads, cols = ws.smem_bytes(itemsize), ws.block_m, ws.threads, 1
+        fn = _compile.get_function(sm90_ws_fwd_name(x.dtype_name, ws, packed), smem)
+    elif sm90 is not None:
         smem, block_m, threads, cols = sm90.smem_bytes(itemsize), sm90.block_m, sm90.threads, 1
         fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90, packed), smem)
     else:
@@ -423,8 +468,8 @@ def forward_launches(x) -> Launches:
     params = _params.attn_params(x, block_m)
     blocks, capacity = _row_blocks(x, block_m, False, x.batch_size)
     params[0]["num_tiles"] = blocks
-    if sm90 is not None and sm90.multi_tile:
-        # short sequences: a grid that fits the GPU at once, each block running tiles in turn
+    if ws is not None or (sm90 is not None and sm90.multi_tile):
+        # a grid that fits the GPU at once, each block running tiles in turn
         blocks = min(blocks, sm_count() * blocks_per_sm(fn, threads, smem))
     main = Launch(fn, (blocks, max(1, cols)), threads, smem, params)
     if not capacity:

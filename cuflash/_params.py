@@ -102,15 +102,31 @@ FWD_POINTERS = 8
 _BWD_POINTERS = slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)
 
 
+class Record:
+    """A parameter record kept for launches: its 8-byte words, copied and given the data
+    pointers of each call (``fill``), and the opaque element type it is passed as."""
+
+    __slots__ = ("words", "arg_dtype")
+
+    def __init__(self, params: np.ndarray):
+        self.words = params.view(np.uint64).copy()
+        self.arg_dtype = np.dtype((np.void, params.nbytes))
+
+    def fill(self, arrays) -> np.ndarray:
+        """The record with the data pointers of ``arrays`` (its pointer fields in order;
+        None for a null pointer), as a kernel argument (``kernel_arg``)."""
+        words = self.words.copy()
+        pointers = [0 if a is None else a.data.ptr for a in arrays]
+        words[:FWD_POINTERS] = pointers[:FWD_POINTERS]
+        if len(pointers) > FWD_POINTERS:
+            words[_BWD_POINTERS] = pointers[FWD_POINTERS:]
+        return words.view(self.arg_dtype)
+
+
 def with_pointers(params: np.ndarray, arrays) -> np.ndarray:
     """A copy of a record with the data pointers of ``arrays`` (the record's pointer
     fields in order; None for a null pointer), as a kernel argument (``kernel_arg``)."""
-    words = params.view(np.uint64).copy()
-    pointers = [0 if a is None else a.data.ptr for a in arrays]
-    words[:FWD_POINTERS] = pointers[:FWD_POINTERS]
-    if len(pointers) > FWD_POINTERS:
-        words[_BWD_POINTERS] = pointers[FWD_POINTERS:]
-    return kernel_arg(words)
+    return Record(params).fill(arrays)
 
 
 def kernel_arg(params: np.ndarray) -> np.ndarray:

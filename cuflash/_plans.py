@@ -62,7 +62,7 @@ def _signature(direction: str, arrays, causal, window, scale, packed=None):
             type(scale), scale,
         )
         key = (direction, mask, packed) + tuple(
-            (type(a), a.dtype, a.shape, a.strides, a.device.id, a.data.ptr % 16 == 0) for a in arrays
+            (type(a), a.dtype, a.shape, a.strides, a.data.device_id, a.data.ptr % 16 == 0) for a in arrays
         )
         hash(key)
     except (AttributeError, TypeError):

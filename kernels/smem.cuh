@@ -54,13 +54,16 @@ __device__ __forceinline__ void named_barrier_sync() { asm volatile("bar.sync %0
 
 // Issues the copies of rows [0, ROWS) x cols [0, COLS) of a global tile whose
 // row r starts at g + r * row_stride; rows >= rows_valid and columns >= cols_valid
-// become zeros. All THREADS threads of the block take part.
-template <class Tile, int THREADS, class Storage>
+// become zeros. Threads 0 .. THREADS - 1 take part (the whole block, or its loading
+// warps). ROLLED keeps the loop rolled: for loading warps with few registers, which
+// an unrolled loop's hoisted addresses would spill.
+template <class Tile, int THREADS, bool ROLLED = false, class Storage>
 __device__ __forceinline__ void load_tile_async(u32 s_tile, const Storage* g, index_t row_stride,
                                                 int rows_valid, int cols_valid) {
     constexpr int TOTAL = Tile::ROWS_X_CHUNKS;
-#pragma unroll
-    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+    constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
+#pragma unroll (ROLLED ? 1 : ITERS)
+    for (int it = 0; it < ITERS; ++it) {
         const int i = it * THREADS + int(threadIdx.x);
         if (TOTAL % THREADS != 0 && i >= TOTAL) break;
         const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS;

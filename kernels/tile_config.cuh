@@ -86,6 +86,33 @@ struct Sm90FwdConfig {
     static constexpr int SMEM_BYTES = 1024 + QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES);
 };
 
+// Hopper forward with a loading warpgroup (attn_fwd_sm90_ws.cuh): warpgroup 0 copies,
+// warpgroups 1 and 2 compute 64 query rows each of a 128-row tile. Q has two buffers
+// (the next tile's loads while the current one computes), K and V a ring of STAGES.
+// The loaders need few registers and give them to the computing warpgroups:
+// 128 * PRODUCER_REGS + 256 * CONSUMER_REGS stays within the SM's 64K.
+template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_>
+struct Sm90WsFwdConfig {
+    using Storage = typename T::storage;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int BLOCK_M = 128;
+    static constexpr int THREADS = 384;
+    static constexpr int PRODUCER_THREADS = 128;
+    static constexpr int CONSUMER_THREADS = 256;
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS = 232;
+    static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "register file");
+
+    using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
+    using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
+    using VTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
+    // barriers: q full/empty x 2, k full/empty x STAGES, v full/empty x STAGES
+    static constexpr int BARRIERS = 4 + 4 * STAGES;
+    static constexpr int SMEM_BYTES = 1024 + 2 * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) + 8 * BARRIERS;
+};
+
 // Hopper backward: each warpgroup owns 64 resident rows; the other side streams
 // in steps of STEP rows. The gradient columns per block (DCOL) change no buffer.
 template <class T, int HEAD_DIM_, int STEP_, int WARPGROUPS_, int STAGES_>

@@ -38,8 +38,9 @@ def test_hopper_specializations_fit_shared_memory():
     names = _dispatch.all_specializations("sm_90a")
     portable = set(_dispatch.all_specializations())
     # on sm_90a the portable kernels remain only where no Hopper kernel exists (float32, odd buckets)
-    assert all("_sm90<" not in n for n in portable) and any("_sm90<" in n for n in names)
-    assert {n for n in names if "_sm90<" not in n} < portable
+    assert all("_sm90" not in n for n in portable) and any("_sm90<" in n for n in names)
+    assert any("_sm90_ws<" in n for n in names)
+    assert {n for n in names if "_sm90" not in n} < portable
     for dt in ("float16", "bfloat16"):
         for hd in _dispatch.HEAD_DIM_BUCKETS:
             fwd, bwd = _dispatch.sm90_fwd_tiles(dt, hd), _dispatch.sm90_bwd_tiles(dt, hd)
@@ -52,6 +53,12 @@ def test_hopper_specializations_fit_shared_memory():
                         assert _dispatch.sm90_fwd_name(dt, tiles, packed) in names
                         assert tiles.smem_bytes(2) <= 232448
                     assert set(_dispatch.sm90_bwd_names(dt, bwd, packed)) <= set(names)
+                    for keys in (64, 1000):
+                        ws = _dispatch.sm90_ws_fwd_tiles(dt, hd, keys)
+                        if ws is not None:
+                            assert _dispatch.sm90_ws_fwd_name(dt, ws, packed) in names
+                            assert ws.smem_bytes(2) <= 232448
+                    assert _dispatch.sm90_ws_fwd_tiles(dt, hd, 5000) is None
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _dispatch.sm90_fwd_tiles("float32", 64) is None
@@ -116,8 +123,7 @@ class _FakeArray:
 
     def __init__(self, shape, strides, ptr, dtype=np.float16, device=0):
         self.shape, self.strides, self.dtype = shape, strides, np.dtype(dtype)
-        self.data = type("Pointer", (), {"ptr": ptr})()
-        self.device = type("Device", (), {"id": device})()
+        self.data = type("Pointer", (), {"ptr": ptr, "device_id": device})()
 
 
 def test_call_signature_separates_what_the_checks_depend_on():

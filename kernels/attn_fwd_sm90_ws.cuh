@@ -1,0 +1,196 @@
+// attn_fwd_sm90_ws.cuh: the Hopper forward with its loads on their own warps.
+//
+// In attn_fwd_sm90 every thread both loads and computes, and a block-wide barrier
+// each step ties the two together: a tile's first loads wait for the previous
+// tile's end, and with short sequences (a few key blocks per tile) that start is
+// much of the time. Here warpgroup 0 only loads: it walks the block's tiles ahead
+// of the others, copying Q into one of two buffers and K, V blocks into a ring of
+// STAGES, each buffer guarded by a pair of mbarriers (full: the copies landed;
+// empty: its last reader is done). Warpgroups 1 and 2 only compute, each 64 rows of
+// a 128-row tile, with the same products and online softmax as attn_fwd_sm90. The
+// block is persistent: it runs tiles blockIdx.x, + gridDim.x, ... so the loads of
+// the next tile run under the products and the stores of this one.
+#pragma once
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+namespace cuflash {
+
+// The block's barriers, after its buffers: Q full/empty per buffer, then K and V
+// full/empty per stage.
+template <int STAGES>
+struct FwdBarriers {
+    u32 base;
+    __device__ __forceinline__ u32 q_full(int b) const { return base + 8u * u32(b); }
+    __device__ __forceinline__ u32 q_empty(int b) const { return base + 8u * u32(2 + b); }
+    __device__ __forceinline__ u32 k_full(int s) const { return base + 8u * u32(4 + s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return base + 8u * u32(4 + STAGES + s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return base + 8u * u32(4 + 2 * STAGES + s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return base + 8u * u32(4 + 3 * STAGES + s); }
+};
+
+// Place of the n-th use of a ring of STAGES buffers: the buffer and the parity of
+// the phase its "full" barrier completes for that use.
+template <int STAGES>
+struct RingSlot {
+    int stage;
+    u32 parity;
+    __device__ __forceinline__ explicit RingSlot(u32 n) : stage(int(n % STAGES)), parity((n / STAGES) & 1u) {}
+};
+
+template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, bool PACKED>
+__global__ void __launch_bounds__(384, 1)
+attn_fwd_sm90_ws(const AttnParams p) {
+    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES>;
+    using QTile = typename Cfg::QTile;
+    using KTile = typename Cfg::KTile;
+    using VTile = typename Cfg::VTile;
+    using Tile = FwdTile<Cfg>;
+    using Slot = RingSlot<STAGES>;
+    constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
+
+    // [Q x 2][K x STAGES][V x STAGES][barriers], from a 1024-byte boundary (swizzle atoms)
+    const u32 s_q = (smem_address(smem) + 1023u) & ~1023u;
+    const u32 s_k = s_q + 2 * QTile::BYTES;
+    const u32 s_v = s_k + STAGES * KTile::BYTES;
+    const FwdBarriers<STAGES> bar{s_v + STAGES * VTile::BYTES};
+    if (threadIdx.x == 0) {
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(bar.q_full(b), Cfg::PRODUCER_THREADS);
+            mbarrier_init(bar.q_empty(b), Cfg::CONSUMER_THREADS);
+        }
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(bar.k_full(s), Cfg::PRODUCER_THREADS);
+            mbarrier_init(bar.k_empty(s), Cfg::CONSUMER_THREADS);
+            mbarrier_init(bar.v_full(s), Cfg::PRODUCER_THREADS);
+            mbarrier_init(bar.v_empty(s), Cfg::CONSUMER_THREADS);
+        }
+    }
+    __syncthreads();
+
+    const u32 num_m_blocks = u32(p.num_m_blocks), num_tiles = u32(p.num_tiles);
+    const int d = int(p.d), dv = int(p.dv);
+
+    if (threadIdx.x < Cfg::PRODUCER_THREADS) {
+        // Loader: Q of each tile with keys, then its K and V blocks in the order they
+        // are read; each copy waits for its buffer's last reader, and every loader
+        // thread's copies count towards the buffer's "full" barrier as they land.
+        registers_release<Cfg::PRODUCER_REGS>();
+        u32 q_uses = 0, kv_uses = 0;
+        for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+            Work w;
+            if (!p.template work_at<PACKED>(index, num_m_blocks, true, w)) break;
+            const Tile t(p, w);
+            if (t.nb_begin >= t.nb_end) continue;
+            const int qb = int(q_uses & 1u);
+            mbarrier_wait(bar.q_empty(qb), ((q_uses >> 1) & 1u) ^ 1u);
+            load_tile_async<QTile, Cfg::PRODUCER_THREADS, true>(s_q + qb * QTile::BYTES, t.g_q, p.q_row_stride,
+                                                          t.w.nq - t.m0, d);
+            mbarrier_arrive_after_copies(bar.q_full(qb));
+            ++q_uses;
+            for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
+                const Slot slot(kv_uses);
+                const int n0 = nb * BLOCK_N;
+                mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
+                load_tile_async<KTile, Cfg::PRODUCER_THREADS, true>(s_k + slot.stage * KTile::BYTES,
+                                                              t.g_k + index_t(n0) * p.k_row_stride, p.k_row_stride,
+                                                              t.w.nk - n0, d);
+                mbarrier_arrive_after_copies(bar.k_full(slot.stage));
+                mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
+                load_tile_async<VTile, Cfg::PRODUCER_THREADS, true>(s_v + slot.stage * VTile::BYTES,
+                                                              t.g_v + index_t(n0) * p.v_row_stride, p.v_row_stride,
+                                                              t.w.nk - n0, dv);
+                mbarrier_arrive_after_copies(bar.v_full(slot.stage));
+            }
+        }
+        cp_async_wait<0>();   // no copy outlives its thread
+        return;
+    }
+
+    // Compute: the order of attn_fwd_sm90's step (scores of block i, then block i-1's
+    // p v behind them, softmax while that product runs), with barrier waits in place
+    // of the block-wide sync. The fence after each wait makes the loaders' copies
+    // (generic proxy) visible to wgmma's reads (async proxy).
+    registers_claim<Cfg::CONSUMER_REGS>();
+    const int group_row0 = (int(threadIdx.x) / 128 - 1) * 64;          // this warpgroup's rows
+    const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's rows
+    const float scale_log2 = float(p.scale_log2);
+    u32 pa[N_TILES / 2][4];   // p of the previous block, as wgmma A fragments
+    float acc[1][D_TILES][4];
+    u32 q_uses = 0, kv_uses = 0;
+    // acc += p v for the block whose V sits in slot's stage (waited for beforehand: a
+    // wait between two products' issue would serialize them); not waited for.
+    auto issue_pv = [&](const Slot& slot) {
+        pin_registers(acc);
+        wgmma_fence();
+        wgmma_regs_cols<T, VTile, HEAD_DIM>(acc[0], pa, s_v + slot.stage * VTile::BYTES);
+        wgmma_commit();
+    };
+
+    for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+        Work w;
+        if (!p.template work_at<PACKED>(index, num_m_blocks, true, w)) break;
+        const Tile t(p, w);
+        fill_zero(acc);
+        OnlineSoftmax<T, 1> softmax(p.scale_log2);
+        const int steps = t.nb_end - t.nb_begin;
+        if (steps > 0) {
+            const int qb = int(q_uses & 1u);
+            mbarrier_wait(bar.q_full(qb), (q_uses >> 1) & 1u);
+            fence_async_shared();
+            ++q_uses;
+            const u32 s_q_rows = s_q + qb * QTile::BYTES + group_row0 * 128;
+            for (int i = 0; i < steps; ++i) {
+                const Slot slot(kv_uses + u32(i)), prev(kv_uses + u32(i) - 1u);
+                mbarrier_wait(bar.k_full(slot.stage), slot.parity);
+                if (i > 0) mbarrier_wait(bar.v_full(prev.stage), prev.parity);
+                fence_async_shared();
+                float s[1][N_TILES][4];
+                wgmma_fence();
+                wgmma_rows_rows<T, QTile, KTile, HEAD_DIM, BLOCK_N>(s[0], s_q_rows, s_k + slot.stage * KTile::BYTES);
+                wgmma_commit();
+                if (i > 0) issue_pv(prev);
+                if (i > 0) {
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
+                pin_registers(s);
+                mbarrier_arrive(bar.k_empty(slot.stage));
+
+                float alpha[1][2];
+                const int n0 = (t.nb_begin + i) * BLOCK_N;
+                if (t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N)) {
+                    apply_band(s, t.band, t.m0 + warp_row0, n0);
+                    softmax.template probabilities<true>(s, scale_log2, alpha);
+                } else {
+                    softmax.template probabilities<false>(s, scale_log2, alpha);
+                }
+                wgmma_wait<0>();   // (unconditional: ptxas pairs waits with issues only so)
+                pin_registers(acc);
+                if (i > 0) mbarrier_arrive(bar.v_empty(prev.stage));
+                softmax.rescale(acc, alpha);
+                to_a_fragments<T>(pa, s);
+            }
+            mbarrier_arrive(bar.q_empty(qb));   // every score product of the tile is done
+            const Slot last(kv_uses + u32(steps) - 1u);
+            mbarrier_wait(bar.v_full(last.stage), last.parity);
+            fence_async_shared();
+            issue_pv(last);
+            wgmma_wait<0>();
+            pin_registers(acc);
+            mbarrier_arrive(bar.v_empty(last.stage));
+            kv_uses += u32(steps);
+        }
+        float lse[1][2];
+        softmax.finish(acc, lse, scale_log2);
+        store_output<T>(p, t.w, t.m0, 0, warp_row0, acc, lse);
+    }
+}
+
+}  // namespace cuflash
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
