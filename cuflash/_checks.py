@@ -479,3 +479,62 @@ def _check_offsets(name: str, cu, total: int, axis_name: str, longest) -> None:
         s = int(np.argmax(steps > longest))
         max_name = "max_seqlen_" + name[-1]
         raise ValueError(f"{max_name} = {longest} is less than the length {steps[s]} of sequence {s} in {name}")
+
+
+def host_cache_seqlens(cache_seqlens, batch: int, default) -> np.ndarray:
+    """``cache_seqlens`` of a KV-cache call given on the host (a Python int or a NumPy integer
+    array of shape (B,)), as int64 of shape (B,); ``default`` (an int, or None: required) when
+    it is None."""
+    if cache_seqlens is None:
+        if default is None:
+            raise ValueError("cache_seqlens is required with block_table (the keys already in each sequence's pages)")
+        cache_seqlens = default
+    if isinstance(cache_seqlens, (bool, np.bool_)):
+        raise TypeError(f"cache_seqlens must be an int or an int array of shape ({batch},), got {cache_seqlens!r}")
+    if isinstance(cache_seqlens, (numbers.Integral, np.integer)):
+        return np.full(batch, int(cache_seqlens), dtype=np.int64)
+    seqlens = np.asarray(cache_seqlens)
+    if seqlens.dtype.kind not in "iu" or seqlens.shape != (batch,):
+        raise TypeError(
+            f"cache_seqlens must be an int or an int array of shape ({batch},), "
+            f"got dtype {seqlens.dtype} and shape {seqlens.shape}"
+        )
+    return seqlens.astype(np.int64)
+
+
+def kvcache_lengths(seqlens, n_new: int, capacity: int, block_table, num_pages: int, page_size: int,
+                    check: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """The keys each sequence holds once its ``n_new`` new keys are appended, and the page
+    table to reach them (paged caches; None otherwise), both host arrays.
+
+    With ``check``, a sequence that would run past its cache (``capacity`` keys: Nmax, or its
+    row of ``block_table`` times ``page_size``), a negative ``cache_seqlens`` or a page it uses
+    outside ``[0, num_pages)`` raises ValueError naming the sequence. Without it, lengths are
+    clamped to ``[0, capacity]`` and pages to ``[0, num_pages)``, so no key lies outside the
+    arrays (new keys past the end of a cache are dropped)."""
+    if check:
+        bad = np.flatnonzero(seqlens < 0)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_seqlens[{b}] = {seqlens[b]} is negative")
+        over = np.flatnonzero(seqlens + n_new > capacity)
+        if over.size:
+            b = int(over[0])
+            raise ValueError(
+                f"sequence {b} would run past its cache: cache_seqlens[{b}] = {seqlens[b]} plus {n_new} new "
+                f"keys is more than the {capacity} keys it can hold"
+            )
+    lengths = np.clip(seqlens + n_new, 0, capacity)
+    if block_table is None:
+        return lengths, None
+    pages = np.asarray(block_table).astype(np.int64)
+    if check:
+        for b, n in enumerate(lengths):
+            used = pages[b, : -(-int(n) // page_size)]
+            outside = np.flatnonzero((used < 0) | (used >= num_pages))
+            if outside.size:
+                j = int(outside[0])
+                raise ValueError(
+                    f"block_table[{b}, {j}] = {used[j]} is not a page of the cache (0 to {num_pages - 1})"
+                )
+    return lengths, np.clip(pages, 0, num_pages - 1)
