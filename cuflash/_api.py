@@ -189,3 +189,35 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
         return attention_backward(dout, q, k, v, out, lse, **mask)
 
     return out, vjp
+
+
+def merge_attention(outs, lses):
+    """The attention over the union of disjoint key sets, from the attentions over each.
+
+    ``out = sum_s exp(lse_s - lse) * out_s`` and ``lse = log sum_s exp(lse_s)``, computed in
+    float32 by one kernel: the primitive of split-KV decoding, cascade and context-parallel
+    (ring) attention. Rows where every ``lse_s`` is -inf give out 0 and lse -inf.
+
+    Parameters
+    ----------
+    outs : sequence of cupy.ndarray, or one cupy.ndarray whose first axis indexes the parts
+        Each part ``(..., Nq, Dv)``, one shape and dtype (float16, bfloat16 or float32), as
+        ``attention`` returns them.
+    lses : the same, each ``(..., Nq)`` float32 (``attention(..., return_lse=True)``).
+
+    Returns
+    -------
+    out : cupy.ndarray, shape (..., Nq, Dv), the parts' dtype
+    lse : cupy.ndarray, shape (..., Nq), float32
+
+    See Also
+    --------
+    cuflash.reference.merge_attention : the NumPy float64 version.
+    """
+    cupy = _checks.require_cupy()
+    outs, lses = _checks.merge_inputs(cupy, outs, lses)
+    with cupy.cuda.Device(outs[0].device.id):
+        out = cupy.empty(outs[0].shape, dtype=outs[0].dtype)
+        lse = cupy.empty(lses[0].shape, dtype=cupy.float32)
+        _dispatch.merge_launch(cupy, outs, lses, out, lse)
+    return out, lse

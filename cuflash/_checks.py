@@ -538,3 +538,36 @@ def kvcache_lengths(seqlens, n_new: int, capacity: int, block_table, num_pages: 
                     f"block_table[{b}, {j}] = {used[j]} is not a page of the cache (0 to {num_pages - 1})"
                 )
     return lengths, np.clip(pages, 0, num_pages - 1)
+
+
+def merge_inputs(cupy, outs, lses):
+    """The parts of a merge_attention call as two lists of contiguous CuPy arrays, checked:
+    one shape and supported dtype for the outs, float32 lses of their shape but the last axis,
+    at least one part, one device."""
+    parts = {}
+    for name, given in (("outs", outs), ("lses", lses)):
+        if isinstance(given, (list, tuple)):
+            if not given:
+                raise ValueError(f"{name} must hold at least one part, got an empty {type(given).__name__}")
+            for i, x in enumerate(given):
+                check_cupy(cupy, **{f"{name}[{i}]": x})
+            parts[name] = list(given)
+        else:
+            check_cupy(cupy, **{name: given})
+            if given.ndim < 1 or given.shape[0] < 1:
+                raise ValueError(f"{name} must have a first axis of parts (at least one), got shape {given.shape}")
+            parts[name] = list(given)
+    outs, lses = parts["outs"], parts["lses"]
+    require_gpu()
+    if len(outs) != len(lses):
+        raise ValueError(f"outs and lses must hold the same number of parts, got {len(outs)} and {len(lses)}")
+    first = outs[0]
+    check_dtypes(**{f"outs[{i}]": o.dtype for i, o in enumerate(outs)})
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if o.ndim < 2 or o.shape != first.shape:
+            raise ValueError(f"every part of outs must have the shape (..., Nq, Dv) of outs[0], {first.shape}, "
+                             f"got outs[{i}].shape = {o.shape}")
+        if x.dtype != np.float32 or x.shape != first.shape[:-1]:
+            raise ValueError(f"lses[{i}] must be float32 of shape {first.shape[:-1]}, got {x.dtype} {x.shape}")
+    check_devices(**{f"outs[{i}]": o for i, o in enumerate(outs)}, **{f"lses[{i}]": x for i, x in enumerate(lses)})
+    return [cupy.ascontiguousarray(o) for o in outs], [cupy.ascontiguousarray(x) for x in lses]

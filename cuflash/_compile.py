@@ -27,6 +27,7 @@ KERNEL_FILES = (
     "tile_config.cuh",
     "schedule.cuh",
     "reduce.cuh",
+    "merge.cuh",
     "attn_fwd.cuh",
     "attn_fwd_sm90.cuh",
     "attn_fwd_sm90_ws.cuh",

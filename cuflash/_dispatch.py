@@ -305,7 +305,25 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
                     names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
-    return names + ["cuflash::build_tile_list"] + [sum_parts_name(dt) for dt in ELEMENT_TYPES]
+    return names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
+
+
+def merge_name(dtype_name: str) -> str:
+    return f"cuflash::merge_attention<{ELEMENT_TYPES[dtype_name][0]}>"
+
+
+MERGE_WARPS = 4   # kernels/merge.cuh: rows per block
+
+
+def merge_launch(cupy, outs, lses, out, lse) -> None:
+    """cuflash.merge_attention's kernel (kernels/merge.cuh) over contiguous parts of one shape."""
+    rows = lse.size
+    if not rows:
+        return
+    table = cupy.asarray(np.array([[o.data.ptr for o in outs], [x.data.ptr for x in lses]], dtype=np.uint64))
+    fn = _compile.get_function(merge_name(out.dtype.name), 0)
+    fn((-(-rows // MERGE_WARPS),), (MERGE_WARPS * 32,),
+       (table[0], table[1], np.int32(len(outs)), np.int64(rows), np.int32(out.shape[-1]), out, lse))
 
 
 def sum_parts_name(dtype_name: str) -> str:

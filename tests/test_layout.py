@@ -22,9 +22,9 @@ def test_kernel_source_has_every_file():
 def test_specializations_cover_every_dtype_and_bucket():
     names = _dispatch.all_specializations()
     n_types, n_dims = len(_dispatch.ELEMENT_TYPES), len(_dispatch.HEAD_DIM_BUCKETS)
-    # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta and the sum of
-    # grouped partials; the tile-list builder
-    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 2) + 1
+    # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta, the sum of
+    # grouped partials and merge_attention; the tile-list builder
+    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 3) + 1
     for dt in _dispatch.ELEMENT_TYPES:
         for hd in _dispatch.HEAD_DIM_BUCKETS:
             item = _dispatch.ELEMENT_TYPES[dt][1]
