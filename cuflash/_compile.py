@@ -28,6 +28,7 @@ KERNEL_FILES = (
     "schedule.cuh",
     "reduce.cuh",
     "merge.cuh",
+    "decode.cuh",
     "attn_fwd.cuh",
     "attn_fwd_sm90.cuh",
     "attn_fwd_sm90_ws.cuh",
@@ -63,6 +64,7 @@ def _common_options() -> tuple[str, ...]:
         "--std=c++17",
         f"-DCUFLASH_PARAMS_BYTES={_params.PARAMS_DTYPE.itemsize}",
         f"-DCUFLASH_BWD_PARAMS_BYTES={_params.BWD_PARAMS_DTYPE.itemsize}",
+        f"-DCUFLASH_DECODE_PARAMS_BYTES={_params.DECODE_PARAMS_DTYPE.itemsize}",
     )
 
 

@@ -305,7 +305,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
                     names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
-    return names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
+    return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
+            + decode_specializations())
 
 
 def merge_name(dtype_name: str) -> str:
@@ -567,3 +568,109 @@ def backward_launches(x) -> Launches:
         return Launches(runs, (), entries)
     lists = (_tile_list(x, dq_res, False, Q_TILES, q_capacity), _tile_list(x, dkdv_res, True, K_TILES, k_capacity))
     return Launches(lists + runs, ((Q_TILES, q_capacity), (K_TILES, k_capacity)), entries)
+
+
+DECODE_BLOCK_N = 64   # kernels/decode.cuh: keys per pipeline stage
+DECODE_BLOCKS_PER_SM = 3
+
+
+def decode_rows(head_dim: int, rows: int, itemsize: int = 2) -> int:
+    """Query rows per block of the decoding kernel: 16 or 32 (M_TILES 1 or 2; 32 only for
+    16-bit types up to head dim 128, by registers)."""
+    return 32 if rows > 16 and head_dim <= 128 and itemsize == 2 else 16
+
+
+def decode_stages(head_dim: int, itemsize: int) -> int:
+    """K/V stages in flight: three where they fit in 100 KB (two for float32, by registers)."""
+    return 3 if itemsize == 2 and 3 * 2 * DECODE_BLOCK_N * head_dim * itemsize <= 100 * 1024 else 2
+
+
+def decode_supported(head_dim: int, itemsize: int) -> bool:
+    """float32 takes head dims up to 128 (its emulated products need the registers)."""
+    return itemsize == 2 or head_dim <= 128
+
+
+def decode_smem(head_dim: int, block_rows: int, itemsize: int) -> int:
+    # kernels/decode.cuh: Q, then the K/V stages, which the warps' merge reuses afterwards
+    stages = decode_stages(head_dim, itemsize) * 2 * DECODE_BLOCK_N * head_dim * itemsize
+    return block_rows * head_dim * itemsize + max(stages, 4 * block_rows * (head_dim + 2) * 4)
+
+
+def decode_name(dtype_name: str, head_dim: int, block_rows: int, stages: int) -> str:
+    return f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {block_rows // 16}, {stages}>"
+
+
+def decode_splits(blocks: int, longest: int, forced: int | None) -> tuple[int, int]:
+    """(splits, keys per split) of the keys of each (sequence, entry): forced, or as many as
+    bring the grid to about DECODE_BLOCKS_PER_SM blocks per SM while each split keeps at
+    least 4 key blocks (flash-decoding)."""
+    longest = max(longest, 1)
+    if forced is None:
+        want = -(-DECODE_BLOCKS_PER_SM * sm_count() // max(blocks, 1))
+        forced = max(1, min(want, longest // (4 * DECODE_BLOCK_N), 128))
+    keys = -(-longest // forced)
+    keys = -(-keys // DECODE_BLOCK_N) * DECODE_BLOCK_N
+    return -(-longest // keys), keys
+
+
+def kvcache_run(cupy, x) -> tuple:
+    """Runs attention_kvcache's kernels (the append, the decode, the merge of splits);
+    returns (out, lse) as (B, E, G * Nq, Dv) and (B, E, G * Nq)."""
+    itemsize = ELEMENT_TYPES[x.dtype_name][1]
+    head_dim = head_dim_bucket(x.d, x.dv)
+    rows = x.group * x.nq
+    block_rows = decode_rows(head_dim, rows, itemsize)
+    stages = decode_stages(head_dim, itemsize)
+    smem = decode_smem(head_dim, block_rows, itemsize)
+    if smem > 227 * 1024 or not decode_supported(head_dim, itemsize):
+        raise ValueError(f"attention_kvcache does not take {x.dtype_name} with head dims above 128 "
+                         f"(D = {x.d}, Dv = {x.dv}); use float16 or bfloat16")
+    row_groups = -(-rows // block_rows)
+    splits, split_keys = decode_splits(x.batch * x.entries * row_groups, x.longest, x.num_splits)
+    out = cupy.empty((x.batch, x.entries, rows, x.dv), dtype=x.q.dtype)
+    lse = cupy.empty((x.batch, x.entries, rows), dtype=cupy.float32)
+    parts = (None, None)
+    if splits > 1:
+        n = x.batch * x.entries * rows
+        parts = (cupy.empty((splits, n, x.dv), dtype=cupy.float32), cupy.empty((splits, n), dtype=cupy.float32))
+    unbounded = x.capacity + x.nq
+    ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
+    ks, vs = x.k_strides, x.v_strides
+    kn = (0, 0, 0) if x.k_new is None else tuple(s // itemsize for s in x.k_new.strides[:3])
+    vn = (0, 0, 0) if x.v_new is None else tuple(s // itemsize for s in x.v_new.strides[:3])
+    record = _params.decode_params(
+        q=ptr(x.q), k=ptr(x.k), v=ptr(x.v), out=ptr(out), lse=ptr(lse), seqlens=ptr(x.seqlens),
+        block_table=ptr(x.block_table), part_out=ptr(parts[0]), part_lse=ptr(parts[1]),
+        k_new=ptr(x.k_new), v_new=ptr(x.v_new),
+        q_stride_b=x.q.strides[0] // itemsize, q_stride_e=x.q.strides[1] // itemsize, q_stride_row=x.q.strides[2] // itemsize,
+        k_stride_b=ks[0], k_stride_e=ks[1], k_stride_row=ks[2], v_stride_b=vs[0], v_stride_e=vs[1], v_stride_row=vs[2],
+        kn_stride_b=kn[0], kn_stride_e=kn[1], kn_stride_row=kn[2], vn_stride_b=vn[0], vn_stride_e=vn[1], vn_stride_row=vn[2],
+        batch=x.batch, entries=x.entries, rows=rows, nq=x.nq, d=x.d, dv=x.dv, n_new=x.n_new,
+        seqlen_all=x.seqlen_all, capacity=x.capacity, page_size=x.page_size, num_pages=x.num_pages,
+        max_pages=0 if x.block_table is None else x.block_table.shape[1],
+        window_left=unbounded if x.left is None else min(x.left, unbounded),
+        window_right=unbounded if x.right is None else min(x.right, unbounded),
+        scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,
+    )
+    if x.n_new and x.batch * x.entries:
+        fn = _compile.get_function(f"cuflash::kvcache_append<{ELEMENT_TYPES[x.dtype_name][0]}>", 0)
+        fn((x.batch * x.entries * x.n_new,), (128,), (record,))
+    if rows and x.batch * x.entries:
+        fn = _compile.get_function(decode_name(x.dtype_name, head_dim, block_rows, stages), smem)
+        fn((splits, x.batch * x.entries, row_groups), (128,), (record,), shared_mem=smem)
+        if splits > 1:
+            fn = _compile.get_function(f"cuflash::combine_splits<{ELEMENT_TYPES[x.dtype_name][0]}>", 0)
+            fn((-(-x.batch * x.entries * rows // 4),), (128,), (record,))
+    return out, lse
+
+
+def decode_specializations() -> list[str]:
+    """The KV-cache kernels, for every dtype and head-dim bucket they take."""
+    names = []
+    for dt, (elem, itemsize) in ELEMENT_TYPES.items():
+        names += [f"cuflash::kvcache_append<{elem}>", f"cuflash::combine_splits<{elem}>"]
+        for hd in HEAD_DIM_BUCKETS:
+            for block_rows in sorted({decode_rows(hd, 16, itemsize), decode_rows(hd, 32, itemsize)}):
+                if decode_smem(hd, block_rows, itemsize) <= 227 * 1024 and decode_supported(hd, itemsize):
+                    names.append(decode_name(dt, hd, block_rows, decode_stages(hd, itemsize)))
+    return names

@@ -45,6 +45,27 @@ BWD_PARAMS_DTYPE = np.dtype(
 )
 
 
+# kernels/decode.cuh: DecodeParams, field for field (pointers first).
+DECODE_POINTERS = ("q", "k", "v", "out", "lse", "seqlens", "block_table", "part_out", "part_lse", "k_new", "v_new")
+DECODE_PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in DECODE_POINTERS]
+    + [(name, np.int64) for name in (
+        "q_stride_b", "q_stride_e", "q_stride_row", "k_stride_b", "k_stride_e", "k_stride_row",
+        "v_stride_b", "v_stride_e", "v_stride_row", "kn_stride_b", "kn_stride_e", "kn_stride_row",
+        "vn_stride_b", "vn_stride_e", "vn_stride_row", "batch", "entries", "rows", "nq", "d", "dv", "n_new",
+        "seqlen_all", "capacity", "page_size", "num_pages", "max_pages", "window_left", "window_right")]
+    + [("scale_log2", np.float64), ("splits", np.int64), ("split_keys", np.int64)]
+)
+
+
+def decode_params(**fields) -> np.ndarray:
+    """One ``DecodeParams`` record (pointers included) as a kernel argument."""
+    record = np.zeros(1, dtype=DECODE_PARAMS_DTYPE)
+    for name, value in fields.items():
+        record[0][name] = value
+    return kernel_arg(record)
+
+
 # What the batch entries of one group of the grid order may read (K and V, or Q
 # and dO): a fraction of the L2 cache of current GPUs (40 MB and more).
 GRID_GROUP_BYTES = 16 << 20

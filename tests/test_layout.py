@@ -23,8 +23,17 @@ def test_specializations_cover_every_dtype_and_bucket():
     names = _dispatch.all_specializations()
     n_types, n_dims = len(_dispatch.ELEMENT_TYPES), len(_dispatch.HEAD_DIM_BUCKETS)
     # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta, the sum of
-    # grouped partials and merge_attention; the tile-list builder
-    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 3) + 1
+    # grouped partials and merge_attention; the tile-list builder; and the KV-cache kernels
+    decode = _dispatch.decode_specializations()
+    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 3) + 1 + len(decode)
+    for dt, (elem, item) in _dispatch.ELEMENT_TYPES.items():
+        assert f"cuflash::kvcache_append<{elem}>" in decode and f"cuflash::combine_splits<{elem}>" in decode
+        for hd in _dispatch.HEAD_DIM_BUCKETS:
+            if _dispatch.decode_supported(hd, item):
+                for rows in (1, 20):
+                    block_rows = _dispatch.decode_rows(hd, rows, item)
+                    assert _dispatch.decode_smem(hd, block_rows, item) <= 227 * 1024
+                    assert _dispatch.decode_name(dt, hd, block_rows, _dispatch.decode_stages(hd, item)) in decode
     for dt in _dispatch.ELEMENT_TYPES:
         for hd in _dispatch.HEAD_DIM_BUCKETS:
             item = _dispatch.ELEMENT_TYPES[dt][1]
