@@ -661,7 +661,7 @@ def kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block
     entry_dims = mid_c[:-1] if grouped else mid_c
     entries = math.prod(entry_dims)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.strides[-1] != itemsize or x.data.ptr % 16 or any(s % 16 for s in x.strides[:-1]):
+        if x.size and (x.strides[-1] != itemsize or x.data.ptr % 16 or any(s % 16 for s in x.strides[:-1])):
             raise ValueError(f"{name} must have contiguous rows on 16-byte boundaries (it is written and read in place)")
     strides = {}
     for name, x in (("k", k_cache), ("v", v_cache)):
