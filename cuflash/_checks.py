@@ -575,7 +575,7 @@ def merge_inputs(cupy, outs, lses):
 
 @dataclass
 class KVCacheInputs:
-    """A checked attention_kvcache call, as the kernels read it (kernels/decode.cuh)."""
+    """A checked attention_kvcache call, as the kernels read it (kernels/decode/decode.cuh)."""
 
     q: object                 # (B, E, G * Nq, D), contiguous
     k: object                 # the caches themselves, written and read in place

@@ -54,7 +54,7 @@ def fwd_tiles(dtype_name: str, head_dim: int, packed: bool = False) -> FwdTiles:
 
     Each warp keeps 16 rows x dv_block output accumulators in registers; the
     key block shrinks as the head dim grows so that nothing spills. float32
-    products run on the FMA units (kernels/mma.cuh) and need more registers,
+    products run on the FMA units (kernels/arch/mma.cuh) and need more registers,
     so at head dim 256 its output columns are split over four blocks.
     """
     if dtype_name == "float32":
@@ -81,7 +81,7 @@ def fwd_name(dtype_name: str, tiles: FwdTiles, packed: bool = False) -> str:
 
 @dataclass(frozen=True)
 class Sm90FwdTiles:
-    """Tile shape of the Hopper forward kernel (kernels/attn_fwd_sm90.cuh)."""
+    """Tile shape of the Hopper forward kernel (kernels/prefill/attn_fwd_sm90.cuh)."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     block_n: int  # keys per pipeline step
@@ -89,7 +89,7 @@ class Sm90FwdTiles:
     stages: int = 2  # K and V blocks in flight
     min_blocks: int = 1  # blocks per SM the registers are budgeted for
     # blocks run several tiles each when there are more than fit the GPU at once, loading
-    # the next during the last product of one (kernels/attn_fwd_sm90.cuh: MULTI_TILE)
+    # the next during the last product of one (kernels/prefill/attn_fwd_sm90.cuh: MULTI_TILE)
     multi_tile: bool = False
 
     @property
@@ -128,7 +128,7 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, mask
 
 @dataclass(frozen=True)
 class Sm90WsFwdTiles:
-    """Tile shape of the Hopper forward with a loading warpgroup (kernels/attn_fwd_sm90_ws.cuh):
+    """Tile shape of the Hopper forward with a loading warpgroup (kernels/prefill/attn_fwd_sm90_ws.cuh):
     128 query rows per tile over two computing warpgroups, one block per SM running tiles in turn."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
@@ -205,7 +205,7 @@ def bwd_names(dtype_name: str, tiles: BwdTiles, packed: bool = False) -> tuple[s
 
 @dataclass(frozen=True)
 class Sm90BwdTiles:
-    """Tile shape of the Hopper backward kernels (kernels/attn_bwd_sm90.cuh)."""
+    """Tile shape of the Hopper backward kernels (kernels/prefill/attn_bwd_sm90.cuh)."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     dkdv_dcol: int  # dk/dv columns per block (a grid dimension when < head_dim)
@@ -313,11 +313,11 @@ def merge_name(dtype_name: str) -> str:
     return f"cuflash::merge_attention<{ELEMENT_TYPES[dtype_name][0]}>"
 
 
-MERGE_WARPS = 4   # kernels/merge.cuh: rows per block
+MERGE_WARPS = 4   # kernels/decode/merge.cuh: rows per block
 
 
 def merge_launch(cupy, outs, lses, out, lse) -> None:
-    """cuflash.merge_attention's kernel (kernels/merge.cuh) over contiguous parts of one shape."""
+    """cuflash.merge_attention's kernel (kernels/decode/merge.cuh) over contiguous parts of one shape."""
     rows = lse.size
     if not rows:
         return
@@ -333,7 +333,7 @@ def sum_parts_name(dtype_name: str) -> str:
 
 def sum_parts(cupy, partial):
     """(before, parts, ...) partial sums of a split grouped dk/dv pass, added in float32 by one
-    kernel (kernels/reduce.cuh): (before, ...)."""
+    kernel (kernels/prefill/reduce.cuh): (before, ...)."""
     before, parts = partial.shape[:2]
     total = cupy.empty((before,) + partial.shape[2:], dtype=partial.dtype)
     if total.size:
@@ -344,14 +344,14 @@ def sum_parts(cupy, partial):
 
 
 # The arrays of a call, in the order the launches' ``fields`` index them: a record's
-# pointer fields are filled from these (kernels/params.cuh), None giving a null pointer.
+# pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
 FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles")
 BWD_ARRAYS = FWD_ARRAYS + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
 _FWD_FIELDS = tuple(range(8))
 _DQ_FIELDS = tuple(range(8)) + tuple(range(9, 14))
 _DKDV_FIELDS = tuple(range(7)) + tuple(range(8, 14))
 Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
-SCHEDULE_THREADS = 1024   # kernels/schedule.cuh
+SCHEDULE_THREADS = 1024   # kernels/attention/schedule.cuh
 
 
 @dataclass(frozen=True)
@@ -378,7 +378,7 @@ class Launch:
 @dataclass(frozen=True)
 class TileListLaunch:
     """Builds the tile list ``arrays[index]`` of a launch over packed sequences
-    (kernels/schedule.cuh), from the offsets alone: no host synchronization."""
+    (kernels/attention/schedule.cuh), from the offsets alone: no host synchronization."""
 
     fn: object
     args: tuple  # num_seqs, total_q, total_k, block, by_keys, heavy_last (int32)
@@ -570,7 +570,7 @@ def backward_launches(x) -> Launches:
     return Launches(lists + runs, ((Q_TILES, q_capacity), (K_TILES, k_capacity)), entries)
 
 
-DECODE_BLOCK_N = 64   # kernels/decode.cuh: keys per pipeline stage
+DECODE_BLOCK_N = 64   # kernels/decode/decode.cuh: keys per pipeline stage
 DECODE_BLOCKS_PER_SM = 3
 
 
@@ -591,7 +591,7 @@ def decode_supported(head_dim: int, itemsize: int) -> bool:
 
 
 def decode_smem(head_dim: int, block_rows: int, itemsize: int) -> int:
-    # kernels/decode.cuh: Q, then the K/V stages, which the warps' merge reuses afterwards
+    # kernels/decode/decode.cuh: Q, then the K/V stages, which the warps' merge reuses afterwards
     stages = decode_stages(head_dim, itemsize) * 2 * DECODE_BLOCK_N * head_dim * itemsize
     return block_rows * head_dim * itemsize + max(stages, 4 * block_rows * (head_dim + 2) * 4)
 

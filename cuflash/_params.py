@@ -1,4 +1,4 @@
-"""The kernels' parameter record (``AttnParams`` in ``kernels/params.cuh``).
+"""The kernels' parameter record (``AttnParams`` in ``kernels/attention/params.cuh``).
 
 Built as a NumPy structured scalar and passed to the kernel by value. Every
 field is 8 bytes wide, so C++ and NumPy lay it out alike with no padding; the
@@ -45,7 +45,7 @@ BWD_PARAMS_DTYPE = np.dtype(
 )
 
 
-# kernels/decode.cuh: DecodeParams, field for field (pointers first).
+# kernels/decode/decode.cuh: DecodeParams, field for field (pointers first).
 DECODE_POINTERS = ("q", "k", "v", "out", "lse", "seqlens", "block_table", "part_out", "part_lse", "k_new", "v_new")
 DECODE_PARAMS_DTYPE = np.dtype(
     [(name, np.uint64) for name in DECODE_POINTERS]
