@@ -351,7 +351,7 @@ _FWD_FIELDS = tuple(range(8))
 _DQ_FIELDS = tuple(range(8)) + tuple(range(9, 14))
 _DKDV_FIELDS = tuple(range(7)) + tuple(range(8, 14))
 Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
-SCHEDULE_THREADS = 1024   # kernels/attention/schedule.cuh
+CU_SEQLENS_Q, CU_SEQLENS_K = FWD_ARRAYS.index("cu_seqlens_q"), FWD_ARRAYS.index("cu_seqlens_k")
 
 
 @dataclass(frozen=True)
@@ -386,8 +386,8 @@ class TileListLaunch:
     capacity: int
 
     def run(self, arrays) -> None:
-        cu_q, cu_k = arrays[5], arrays[6]
-        self.fn((1,), (SCHEDULE_THREADS,), (cu_q, cu_k, *self.args, arrays[self.index], np.int32(self.capacity)))
+        cu_q, cu_k = arrays[CU_SEQLENS_Q], arrays[CU_SEQLENS_K]
+        self.fn((1,), (_params.SCHEDULE_THREADS,), (cu_q, cu_k, *self.args, arrays[self.index], np.int32(self.capacity)))
 
 
 @dataclass(frozen=True)

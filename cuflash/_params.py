@@ -45,6 +45,10 @@ BWD_PARAMS_DTYPE = np.dtype(
 )
 
 
+# Threads of the one block that builds a tile list (kernels/attention/schedule.cuh), given to
+# the kernels as CUFLASH_SCHEDULE_THREADS.
+SCHEDULE_THREADS = 1024
+
 # kernels/decode/decode.cuh: DecodeParams, field for field (pointers first).
 DECODE_POINTERS = ("q", "k", "v", "out", "lse", "seqlens", "block_table", "part_out", "part_lse", "k_new", "v_new")
 DECODE_PARAMS_DTYPE = np.dtype(
