@@ -222,3 +222,13 @@ def test_dkdv_layout_splits_groups_only_when_blocks_are_few():
     assert entries == (2, 2, 1) and some.group_size == 4
     many, entries = _dispatch.dkdv_layout(X, key_blocks=1000, slots=264)
     assert entries == (2, 1, 1) and many.entries == 2 and many.group_size == 8 and many.shape == kshape
+
+
+def test_decode_params_record_holds_every_field_in_order():
+    names = _params.DECODE_PARAMS_DTYPE.names
+    assert all(_params.DECODE_PARAMS_DTYPE.fields[f][0].itemsize == 8 for f in names)
+    values = {n: (0.25 if n == "scale_log2" else i + 1) for i, n in enumerate(names)}
+    record = _params.decode_params(**values).view(_params.DECODE_PARAMS_DTYPE)[0]
+    assert all(record[n] == values[n] for n in names)
+    with pytest.raises(TypeError, match="not fields"):
+        _params.decode_params(**values, stray=1)

@@ -136,8 +136,18 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
     const int hi = min(k_end, int(min(index_t(nk), q_hi + off + p.window_right + 1)));
     const int nb_begin = lo / DecodeTiles::BLOCK_N, nb_end = hi > lo ? ceil_div(hi, DecodeTiles::BLOCK_N) : nb_begin;
 
+    // A block of keys lies in one page when pages hold whole blocks (and always in a
+    // contiguous cache): then its rows are one strided run, found with one table read.
+    const bool whole_blocks = p.block_table == nullptr || p.page_size % DecodeTiles::BLOCK_N == 0;
     auto load_kv = [&](int nb, int stage) {
         const int n0 = nb * DecodeTiles::BLOCK_N, valid = min(DecodeTiles::BLOCK_N, nk - n0);
+        if (whole_blocks) {
+            index_t ok, ov;
+            p.key_offsets(b, e, n0, ok, ov);
+            load_tile_async<KVTile, THREADS>(s_k + stage * KVTile::BYTES, g_k + ok, p.k_stride_row, valid, d);
+            load_tile_async<KVTile, THREADS>(s_v + stage * KVTile::BYTES, g_v + ov, p.v_stride_row, valid, dv);
+            return;
+        }
         auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
         auto v_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_v + ov; };
         load_rows_async<KVTile, THREADS, Storage>(s_k + stage * KVTile::BYTES, k_row, valid, d);
