@@ -62,7 +62,7 @@ def _naive(q, k_cache, v_cache, table, lengths, mask):
     batch=st.integers(1, 4),
     hkv=st.integers(1, 3),
     group=st.sampled_from((1, 2, 4, 5)),
-    nq=st.sampled_from((1, 2, 4)),
+    nq=st.sampled_from((1, 2, 3, 4, 20, 40)),   # 20, 40: row groups whose rows wrap past Nq
     dims=st.sampled_from(((64, 64), (128, 128), (32, 64), (256, 256))),
     paged=st.booleans(),
     page_size=st.sampled_from((1, 7, 16, 64, 256)),
@@ -75,7 +75,7 @@ def _naive(q, k_cache, v_cache, table, lengths, mask):
 def test_kvcache_against_reference(dtype, batch, hkv, group, nq, dims, paged, page_size, n_new, mask, seqlens_as,
                                    num_splits, seed):
     """Ragged cache lengths (0 included, and full), appends, pages in a random order, masks,
-    GQA groups and forced splits: out and lse against the reference, the caches after the
+    GQA groups, new rows per sequence from 1 to more than a block's row group, forced splits: out and lse against the reference, the caches after the
     append equal to the reference's, under the forward's accuracy criterion."""
     d, dv = dims
     if dtype == "float32" and d > 128:
