@@ -268,10 +268,12 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     --------
     cuflash.reference.attention_kvcache : the NumPy float64 version.
     """
+    plan, (q_, k_, v_, seqlens, table, k_new_, v_new_) = _plans.kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check)
     cupy = _checks.require_cupy()
-    x = _checks.kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window,
-                               scale, num_splits, check)
-    with cupy.cuda.Device(q.device.id):
-        out, lse = _dispatch.kvcache_run(cupy, x)
-    out, lse = out.reshape(x.out_shape), lse.reshape(x.out_shape[:-1])
+    if cupy.cuda.runtime.getDevice() == plan.device:
+        out, lse = plan.launches.run(cupy, q_.dtype, q_, k_, v_, seqlens, table, k_new_, v_new_)
+    else:
+        with cupy.cuda.Device(plan.device):
+            out, lse = plan.launches.run(cupy, q_.dtype, q_, k_, v_, seqlens, table, k_new_, v_new_)
     return (out, lse) if return_lse else out

@@ -313,7 +313,7 @@ def merge_name(dtype_name: str) -> str:
     return f"cuflash::merge_attention<{ELEMENT_TYPES[dtype_name][0]}>"
 
 
-MERGE_WARPS = 4   # kernels/decode/merge.cuh: rows per block
+MERGE_THREADS = 256   # kernels/decode/merge.cuh: one block of MergeTiles::WARPS warps per row
 
 
 def merge_launch(cupy, outs, lses, out, lse) -> None:
@@ -321,9 +321,11 @@ def merge_launch(cupy, outs, lses, out, lse) -> None:
     rows = lse.size
     if not rows:
         return
+    if rows >= 2**31:
+        raise ValueError(f"merge_attention takes fewer than 2**31 rows (one block each), got {rows}")
     table = cupy.asarray(np.array([[o.data.ptr for o in outs], [x.data.ptr for x in lses]], dtype=np.uint64))
     fn = _compile.get_function(merge_name(out.dtype.name), 0)
-    fn((-(-rows // MERGE_WARPS),), (MERGE_WARPS * 32,),
+    fn((rows,), (MERGE_THREADS,),
        (table[0], table[1], np.int32(len(outs)), np.int64(rows), np.int32(out.shape[-1]), out, lse))
 
 
@@ -356,23 +358,36 @@ CU_SEQLENS_Q, CU_SEQLENS_K = FWD_ARRAYS.index("cu_seqlens_q"), FWD_ARRAYS.index(
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a call: everything but the data pointers, which
-    ``run`` fills into a copy of the parameter record from the call's arrays."""
+    """One kernel launch of a call: everything but the data pointers, which ``run``
+    writes into the kept parameter record from the call's arrays before launching
+    through the driver (cuLaunchKernel, with the record as its one parameter)."""
 
     fn: object
     grid: tuple[int, ...]
     threads: int
     smem: int
-    params: np.ndarray  # AttnParams or BwdParams, pointers 0
+    params: np.ndarray  # AttnParams, BwdParams or DecodeParams, pointers 0
     fields: tuple[int, ...] = _FWD_FIELDS  # the record's pointers, as indices into the arrays
 
     def __post_init__(self):
         # the record as launches read it, built once per plan rather than per call
         object.__setattr__(self, "_record", _params.Record(self.params))
+        object.__setattr__(self, "_function", self.fn.kernel.ptr)
+        object.__setattr__(self, "_grid", tuple(self.grid) + (1,) * (3 - len(self.grid)))
 
     def run(self, arrays) -> None:
-        record = self._record.fill([arrays[i] for i in self.fields])
-        self.fn(self.grid, (self.threads,), (record,), shared_mem=self.smem)
+        """Launches on the current stream; ``arrays`` holds CuPy arrays, raw pointers (int)
+        or None (a null pointer)."""
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        pointers = [0 if a is None else a if type(a) is int else a.data.ptr for a in (arrays[i] for i in self.fields)]
+        record, (gx, gy, gz) = self._record, self._grid
+        stream = cupy.cuda.get_current_stream().ptr
+        with record.lock:
+            record.fill(pointers)
+            driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
+                                record.kernel_params, 0)
 
 
 @dataclass(frozen=True)
@@ -571,7 +586,6 @@ def backward_launches(x) -> Launches:
 
 
 DECODE_BLOCK_N = 64   # kernels/decode/decode.cuh: keys per pipeline stage
-DECODE_BLOCKS_PER_SM = 3
 
 
 def decode_rows(head_dim: int, rows: int, itemsize: int = 2) -> int:
@@ -600,23 +614,72 @@ def decode_name(dtype_name: str, head_dim: int, block_rows: int, stages: int) ->
     return f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {block_rows // 16}, {stages}>"
 
 
-def decode_splits(blocks: int, longest: int, forced: int | None) -> tuple[int, int]:
-    """(splits, keys per split) of the keys of each (sequence, entry): forced, or as many as
-    bring the grid to about DECODE_BLOCKS_PER_SM blocks per SM while each split keeps at
-    least 4 key blocks (flash-decoding)."""
-    longest = max(longest, 1)
+def decode_slots(fn, smem: int) -> int:
+    """Blocks of the decoding kernel ``fn`` resident on the whole GPU at once (the driver's
+    occupancy at 128 threads and ``smem`` bytes, times the SMs)."""
+    key = (id(fn), smem)
+    slots = _decode_slots.get(key)
+    if slots is None:
+        from cupy_backends.cuda.api import driver
+
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, 128, smem)
+        slots = _decode_slots[key] = max(1, per_sm) * sm_count()
+    return slots
+
+
+_decode_slots: dict = {}
+DECODE_SPLIT_COST = 2   # key blocks' worth of time a block spends starting and ending (and the merge)
+
+
+def decode_splits(blocks: int, longest: int, forced: int | None, slots: int) -> tuple[int, int]:
+    """(splits, keys per split) of the keys of each (sequence, entry): forced, or the count
+    with the shortest modelled time, in waves of ``slots`` resident blocks times the key
+    blocks each block reads plus its fixed cost (flash-decoding; a split keeps at least
+    four key blocks)."""
+    key_blocks = max(1, -(-longest // DECODE_BLOCK_N))
     if forced is None:
-        want = -(-DECODE_BLOCKS_PER_SM * sm_count() // max(blocks, 1))
-        forced = max(1, min(want, longest // (4 * DECODE_BLOCK_N), 128))
-    keys = -(-longest // forced)
-    keys = -(-keys // DECODE_BLOCK_N) * DECODE_BLOCK_N
-    return -(-longest // keys), keys
+        blocks = max(blocks, 1)
+
+        def time(s):
+            return -(-blocks * s // slots) * (-(-key_blocks // s) + DECODE_SPLIT_COST) + (DECODE_SPLIT_COST if s > 1 else 0)
+
+        forced = min(range(1, max(1, min(128, key_blocks // 4)) + 1), key=time)
+    per_split = -(-key_blocks // forced) * DECODE_BLOCK_N
+    return -(-max(longest, 1) // per_split), per_split
 
 
-def kvcache_run(cupy, x) -> tuple:
-    """Runs attention_kvcache's kernels (the append, the decode, the merge of splits);
-    returns (out, lse) as (B, E, G * Nq, Dv) and (B, E, G * Nq)."""
+@dataclass(frozen=True)
+class KVCacheLaunches:
+    """What an attention_kvcache call runs: the append (if any), the decoding kernel and
+    the merge of its splits (if any), over the arrays of DECODE_POINTERS; and what to
+    allocate: out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)),
+    lse, and the float32 partials of the splits."""
+
+    runs: tuple
+    out_shape: tuple[int, ...]
+    parts: tuple[int, int, int] | None   # (splits, rows, dv)
+
+    def run(self, cupy, dtype, q, k, v, seqlens, block_table, k_new, v_new):
+        out = cupy.empty(self.out_shape, dtype=dtype)
+        lse = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
+        parts = part_out = part_lse = None
+        if self.parts is not None:   # one allocation: the float32 partial outputs, then their lse
+            splits, rows, dv = self.parts
+            parts = cupy.cuda.alloc(splits * rows * (dv + 1) * 4)
+            part_out, part_lse = parts.ptr, parts.ptr + splits * rows * dv * 4
+        arrays = (q, k, v, out, lse, seqlens, block_table, part_out, part_lse, k_new, v_new)
+        for launch in self.runs:
+            launch.run(arrays)
+        return out, lse
+
+
+_DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
+
+
+def kvcache_launches(x) -> KVCacheLaunches:
+    """The launches of a checked attention_kvcache call (kernels/decode/decode.cuh)."""
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
+    elem = ELEMENT_TYPES[x.dtype_name][0]
     head_dim = head_dim_bucket(x.d, x.dv)
     rows = x.group * x.nq
     block_rows = decode_rows(head_dim, rows, itemsize)
@@ -626,22 +689,14 @@ def kvcache_run(cupy, x) -> tuple:
         raise ValueError(f"attention_kvcache does not take {x.dtype_name} with head dims above 128 "
                          f"(D = {x.d}, Dv = {x.dv}); use float16 or bfloat16")
     row_groups = -(-rows // block_rows)
-    splits, split_keys = decode_splits(x.batch * x.entries * row_groups, x.longest, x.num_splits)
-    out = cupy.empty((x.batch, x.entries, rows, x.dv), dtype=x.q.dtype)
-    lse = cupy.empty((x.batch, x.entries, rows), dtype=cupy.float32)
-    parts = (None, None)
-    if splits > 1:
-        n = x.batch * x.entries * rows
-        parts = (cupy.empty((splits, n, x.dv), dtype=cupy.float32), cupy.empty((splits, n), dtype=cupy.float32))
+    decode = _compile.get_function(decode_name(x.dtype_name, head_dim, block_rows, stages), smem)
+    blocks = x.batch * x.entries * row_groups
+    splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, decode_slots(decode, smem))
     unbounded = x.capacity + x.nq
-    ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     ks, vs = x.k_strides, x.v_strides
-    kn = (0, 0, 0) if x.k_new is None else tuple(s // itemsize for s in x.k_new.strides[:3])
-    vn = (0, 0, 0) if x.v_new is None else tuple(s // itemsize for s in x.v_new.strides[:3])
-    record = _params.decode_params(
-        q=ptr(x.q), k=ptr(x.k), v=ptr(x.v), out=ptr(out), lse=ptr(lse), seqlens=ptr(x.seqlens),
-        block_table=ptr(x.block_table), part_out=ptr(parts[0]), part_lse=ptr(parts[1]),
-        k_new=ptr(x.k_new), v_new=ptr(x.v_new),
+    kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
+    vn = (0, 0, 0) if x.v_new is None else tuple(st // itemsize for st in x.v_new.strides[:3])
+    params = _params.decode_params(
         q_stride_b=x.q.strides[0] // itemsize, q_stride_e=x.q.strides[1] // itemsize, q_stride_row=x.q.strides[2] // itemsize,
         k_stride_b=ks[0], k_stride_e=ks[1], k_stride_row=ks[2], v_stride_b=vs[0], v_stride_e=vs[1], v_stride_row=vs[2],
         kn_stride_b=kn[0], kn_stride_e=kn[1], kn_stride_row=kn[2], vn_stride_b=vn[0], vn_stride_e=vn[1], vn_stride_row=vn[2],
@@ -652,16 +707,17 @@ def kvcache_run(cupy, x) -> tuple:
         window_right=unbounded if x.right is None else min(x.right, unbounded),
         scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,
     )
+    runs = []
     if x.n_new and x.batch * x.entries:
-        fn = _compile.get_function(f"cuflash::kvcache_append<{ELEMENT_TYPES[x.dtype_name][0]}>", 0)
-        fn((x.batch * x.entries * x.n_new,), (128,), (record,))
+        append = _compile.get_function(f"cuflash::kvcache_append<{elem}>", 0)
+        runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, _DECODE_FIELDS))
     if rows and x.batch * x.entries:
-        fn = _compile.get_function(decode_name(x.dtype_name, head_dim, block_rows, stages), smem)
-        fn((splits, x.batch * x.entries, row_groups), (128,), (record,), shared_mem=smem)
+        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, smem, params, _DECODE_FIELDS))
         if splits > 1:
-            fn = _compile.get_function(f"cuflash::combine_splits<{ELEMENT_TYPES[x.dtype_name][0]}>", 0)
-            fn((-(-x.batch * x.entries * rows // 4),), (128,), (record,))
-    return out, lse
+            combine = _compile.get_function(f"cuflash::combine_splits<{elem}>", 0)
+            runs.append(Launch(combine, (x.batch * x.entries * rows,), MERGE_THREADS, 0, params, _DECODE_FIELDS))
+    parts = (splits, x.batch * x.entries * rows, x.dv) if splits > 1 else None
+    return KVCacheLaunches(tuple(runs), x.out_shape, parts)
 
 
 def decode_specializations() -> list[str]:

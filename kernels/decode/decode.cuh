@@ -49,9 +49,12 @@ struct DecodeParams {
     __device__ __forceinline__ void key_offsets(int b, int e, int j, index_t& ok, index_t& ov) const {
         index_t slot = b, row = j;
         if (block_table) {
-            const int page = block_table[index_t(b) * max_pages + j / int(page_size)];
+            const int size = int(page_size);
+            const bool pow2 = (size & (size - 1)) == 0;   // the usual sizes: a shift and a mask, no division
+            const int index = pow2 ? j >> (__ffs(size) - 1) : j / size;
+            const int page = block_table[index_t(b) * max_pages + index];
             slot = min(max(page, 0), int(num_pages) - 1);
-            row = j % int(page_size);
+            row = pow2 ? j & (size - 1) : j % size;
         }
         ok = slot * k_stride_b + e * k_stride_e + row * k_stride_row;
         ov = slot * v_stride_b + e * v_stride_e + row * v_stride_row;
@@ -103,7 +106,7 @@ struct DecodeTiles {
     static constexpr int BLOCK_N = 16 * WARPS;
 };
 
-// grid: (splits, B * E, row groups of 16 * M_TILES)
+// grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it
 template <class T, int HEAD_DIM, int M_TILES, int STAGES>
 __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const DecodeParams p) {
     using Storage = typename T::storage;
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
     constexpr u32 SUB_BYTES = SubTile::BYTES;
 
     extern __shared__ __align__(128) unsigned char smem[];
-    const int split = blockIdx.x, be = blockIdx.y, b = be / int(p.entries), e = be % int(p.entries);
+    const int be = blockIdx.x, split = blockIdx.y, b = be / int(p.entries), e = be % int(p.entries);
     const int row0 = blockIdx.z * ROWS, rows = min(ROWS, int(p.rows) - row0);
     const int nq = int(p.nq), d = int(p.d), dv = int(p.dv), warp = threadIdx.x / 32;
     const int nk = p.length(b);
@@ -136,22 +139,33 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
     const int hi = min(k_end, int(min(index_t(nk), q_hi + off + p.window_right + 1)));
     const int nb_begin = lo / DecodeTiles::BLOCK_N, nb_end = hi > lo ? ceil_div(hi, DecodeTiles::BLOCK_N) : nb_begin;
 
-    // A block of keys lies in one page when pages hold whole blocks (and always in a
-    // contiguous cache): then its rows are one strided run, found with one table read.
+    // How a block's keys map to memory: a block in one page (pages of whole blocks, and
+    // always a contiguous cache) is one strided run found with one table read; with pages
+    // of whole 16-row runs, each warp's 16 keys are one; otherwise every row is looked up.
     const bool whole_blocks = p.block_table == nullptr || p.page_size % DecodeTiles::BLOCK_N == 0;
+    const bool whole_runs = HEAD_DIM <= 128 && p.page_size % 16 == 0;   // (wider: its offsets would spill)
     auto load_kv = [&](int nb, int stage) {
         const int n0 = nb * DecodeTiles::BLOCK_N, valid = min(DecodeTiles::BLOCK_N, nk - n0);
+        const u32 s_kb = s_k + stage * KVTile::BYTES, s_vb = s_v + stage * KVTile::BYTES;
         if (whole_blocks) {
             index_t ok, ov;
             p.key_offsets(b, e, n0, ok, ov);
-            load_tile_async<KVTile, THREADS>(s_k + stage * KVTile::BYTES, g_k + ok, p.k_stride_row, valid, d);
-            load_tile_async<KVTile, THREADS>(s_v + stage * KVTile::BYTES, g_v + ov, p.v_stride_row, valid, dv);
-            return;
+            load_tile_async<KVTile, THREADS>(s_kb, g_k + ok, p.k_stride_row, valid, d);
+            load_tile_async<KVTile, THREADS>(s_vb, g_v + ov, p.v_stride_row, valid, dv);
+        } else if (whole_runs) {
+#pragma unroll
+            for (int w = 0; w < DecodeTiles::WARPS; ++w) {
+                index_t ok, ov;   // (a run past the last key is all zeros: its first row clamped to one that exists)
+                p.key_offsets(b, e, min(n0 + w * 16, nk - 1), ok, ov);
+                load_tile_async<SubTile, THREADS>(s_kb + w * SUB_BYTES, g_k + ok, p.k_stride_row, valid - w * 16, d);
+                load_tile_async<SubTile, THREADS>(s_vb + w * SUB_BYTES, g_v + ov, p.v_stride_row, valid - w * 16, dv);
+            }
+        } else {
+            auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
+            auto v_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_v + ov; };
+            load_rows_async<KVTile, THREADS, Storage>(s_kb, k_row, valid, d);
+            load_rows_async<KVTile, THREADS, Storage>(s_vb, v_row, valid, dv);
         }
-        auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
-        auto v_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_v + ov; };
-        load_rows_async<KVTile, THREADS, Storage>(s_k + stage * KVTile::BYTES, k_row, valid, d);
-        load_rows_async<KVTile, THREADS, Storage>(s_v + stage * KVTile::BYTES, v_row, valid, dv);
     };
     // the loads of step i (i < 0: the prologue's), one cp.async group each
     auto load_step = [&](int i) {
@@ -269,12 +283,10 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
     }
 }
 
-// The splits' float32 partials merged by logsumexp into out (T) and lse: one warp per row.
+// The splits' float32 partials merged by logsumexp into out (T) and lse: one block per row.
 template <class T>
-__global__ void __launch_bounds__(128) combine_splits(const DecodeParams p) {
-    const index_t rows = p.batch * p.entries * p.rows;
-    const index_t row = index_t(blockIdx.x) * 4 + threadIdx.x / 32;
-    if (row >= rows) return;
+__global__ void __launch_bounds__(MergeTiles::WARPS * 32) combine_splits(const DecodeParams p) {
+    const index_t rows = p.batch * p.entries * p.rows, row = blockIdx.x;
     merge_row<T>(int(p.splits), int(p.dv), row,
                  [&](int s) { return p.part_lse[s * rows + row]; },
                  [&](int s, int c) { return p.part_out[(s * rows + row) * p.dv + c]; }, p.out, p.lse);
