@@ -53,7 +53,7 @@ GRID = {
 QUICK = {"dtype": ("float16",), "D": (128,), "B": (1, 8), "heads": ((32, 8),), "Nk": (32768,), "Nq": (1, 4)}
 
 
-def queued_ms(fn, calls: int = 20, repeat: int = 3) -> float:
+def queued_ms(fn, calls: int = 10, repeat: int = 3) -> float:
     """Median over `repeat` samples of `calls` calls queued back to back, per call."""
     fn()
     times = []
@@ -220,7 +220,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-loop", action="store_true")
     args = ap.parse_args()
     try:
