@@ -189,3 +189,91 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
         return attention_backward(dout, q, k, v, out, lse, **mask)
 
     return out, vjp
+
+
+def merge_attention(outs, lses):
+    """The attention over the union of disjoint key sets, from the attentions over each.
+
+    ``out = sum_s exp(lse_s - lse) * out_s`` and ``lse = log sum_s exp(lse_s)``, computed in
+    float32 by one kernel: the primitive of split-KV decoding, cascade and context-parallel
+    (ring) attention. Rows where every ``lse_s`` is -inf give out 0 and lse -inf.
+
+    Parameters
+    ----------
+    outs : sequence of cupy.ndarray, or one cupy.ndarray whose first axis indexes the parts
+        Each part ``(..., Nq, Dv)``, one shape and dtype (float16, bfloat16 or float32), as
+        ``attention`` returns them.
+    lses : the same, each ``(..., Nq)`` float32 (``attention(..., return_lse=True)``).
+
+    Returns
+    -------
+    out : cupy.ndarray, shape (..., Nq, Dv), the parts' dtype
+    lse : cupy.ndarray, shape (..., Nq), float32
+
+    See Also
+    --------
+    cuflash.reference.merge_attention : the NumPy float64 version.
+    """
+    cupy = _checks.require_cupy()
+    outs, lses = _checks.merge_inputs(cupy, outs, lses)
+    with cupy.cuda.Device(outs[0].device.id):
+        out = cupy.empty(outs[0].shape, dtype=outs[0].dtype)
+        lse = cupy.empty(lses[0].shape, dtype=cupy.float32)
+        _dispatch.merge_launch(cupy, outs, lses, out, lse)
+    return out, lse
+
+
+def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
+                      causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False):
+    """Attention of a few new query rows per sequence against a KV cache (decoding).
+
+    Parameters
+    ----------
+    q : cupy.ndarray, shape (B, ..., Nq, D)
+        B sequences, Nq new rows each (1 when decoding one token). The dims between
+        broadcast against the caches' along their last one: q (B, Hkv, G, Nq, D) against
+        caches (., Hkv, 1, rows, D) is grouped-query attention, each K/V head read once for
+        its G query heads.
+    k_cache, v_cache : cupy.ndarray
+        Contiguous: (B, ..., Nmax, D) and (B, ..., Nmax, Dv). Paged (with ``block_table``):
+        (P, ..., page_size, D / Dv); key j of sequence b is row ``j % page_size`` of page
+        ``block_table[b, j // page_size]``. Rows contiguous, on 16-byte boundaries; read and
+        written in place.
+    k_new, v_new : cupy.ndarray, shape (B, <the caches' dims>, Nnew, D / Dv), optional
+        Written into the caches at keys ``cache_seqlens[b] ... cache_seqlens[b] + Nnew - 1``
+        before the attention, which then sees the first ``cache_seqlens[b] + Nnew`` keys.
+    cache_seqlens : int, or NumPy or CuPy int array of shape (B,), optional
+        Keys already in each sequence's cache (default Nmax; required with ``block_table``).
+        Not changed: the caller advances it.
+    block_table : NumPy or CuPy int32 array of shape (B, max_pages), optional
+    causal, window, scale
+        As in ``attention``, per sequence, aligned to the bottom-right corner:
+        ``cache_seqlens[b] + Nnew`` keys against Nq rows.
+    num_splits : int, optional
+        The keys of each sequence split over this many blocks, merged by their logsumexp;
+        None chooses from the batch, the heads, the length and the GPU.
+    check : bool, optional
+        Read the lengths and pages to the host and raise ValueError, before anything is
+        written, for a sequence that would run past its cache or a page outside it.
+        ``check=False`` reads nothing back (CUDA graphs); out-of-range positions are then
+        clamped, never read or written outside the arrays.
+    return_lse : bool, optional
+
+    Returns
+    -------
+    out : cupy.ndarray, shape (B, ...) + (Nq, Dv)
+    lse : cupy.ndarray, shape (B, ...) + (Nq,), float32, with ``return_lse=True``
+
+    See Also
+    --------
+    cuflash.reference.attention_kvcache : the NumPy float64 version.
+    """
+    plan, (q_, k_, v_, seqlens, table, k_new_, v_new_) = _plans.kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check)
+    cupy = _checks.require_cupy()
+    if cupy.cuda.runtime.getDevice() == plan.device:
+        out, lse = plan.launches.run(cupy, q_.dtype, q_, k_, v_, seqlens, table, k_new_, v_new_)
+    else:
+        with cupy.cuda.Device(plan.device):
+            out, lse = plan.launches.run(cupy, q_.dtype, q_, k_, v_, seqlens, table, k_new_, v_new_)
+    return (out, lse) if return_lse else out

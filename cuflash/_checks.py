@@ -479,3 +479,244 @@ def _check_offsets(name: str, cu, total: int, axis_name: str, longest) -> None:
         s = int(np.argmax(steps > longest))
         max_name = "max_seqlen_" + name[-1]
         raise ValueError(f"{max_name} = {longest} is less than the length {steps[s]} of sequence {s} in {name}")
+
+
+def host_cache_seqlens(cache_seqlens, batch: int, default) -> np.ndarray:
+    """``cache_seqlens`` of a KV-cache call given on the host (a Python int or a NumPy integer
+    array of shape (B,)), as int64 of shape (B,); ``default`` (an int, or None: required) when
+    it is None."""
+    if cache_seqlens is None:
+        if default is None:
+            raise ValueError("cache_seqlens is required with block_table (the keys already in each sequence's pages)")
+        cache_seqlens = default
+    if isinstance(cache_seqlens, (bool, np.bool_)):
+        raise TypeError(f"cache_seqlens must be an int or an int array of shape ({batch},), got {cache_seqlens!r}")
+    if isinstance(cache_seqlens, (numbers.Integral, np.integer)):
+        return np.full(batch, int(cache_seqlens), dtype=np.int64)
+    seqlens = np.asarray(cache_seqlens)
+    if seqlens.dtype.kind not in "iu" or seqlens.shape != (batch,):
+        raise TypeError(
+            f"cache_seqlens must be an int or an int array of shape ({batch},), "
+            f"got dtype {seqlens.dtype} and shape {seqlens.shape}"
+        )
+    return seqlens.astype(np.int64)
+
+
+def kvcache_lengths(seqlens, n_new: int, capacity: int, block_table, num_pages: int, page_size: int,
+                    check: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """The keys each sequence holds once its ``n_new`` new keys are appended, and the page
+    table to reach them (paged caches; None otherwise), both host arrays.
+
+    With ``check``, a sequence that would run past its cache (``capacity`` keys: Nmax, or its
+    row of ``block_table`` times ``page_size``), a negative ``cache_seqlens`` or a page it uses
+    outside ``[0, num_pages)`` raises ValueError naming the sequence. Without it, lengths are
+    clamped to ``[0, capacity]`` and pages to ``[0, num_pages)``, so no key lies outside the
+    arrays (new keys past the end of a cache are dropped)."""
+    if check:
+        bad = np.flatnonzero(seqlens < 0)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_seqlens[{b}] = {seqlens[b]} is negative")
+        over = np.flatnonzero(seqlens + n_new > capacity)
+        if over.size:
+            b = int(over[0])
+            raise ValueError(
+                f"sequence {b} would run past its cache: cache_seqlens[{b}] = {seqlens[b]} plus {n_new} new "
+                f"keys is more than the {capacity} keys it can hold"
+            )
+    lengths = np.clip(seqlens + n_new, 0, capacity)
+    if block_table is None:
+        return lengths, None
+    pages = np.asarray(block_table).astype(np.int64)
+    if check:
+        for b, n in enumerate(lengths):
+            used = pages[b, : -(-int(n) // page_size)]
+            outside = np.flatnonzero((used < 0) | (used >= num_pages))
+            if outside.size:
+                j = int(outside[0])
+                raise ValueError(
+                    f"block_table[{b}, {j}] = {used[j]} is not a page of the cache (0 to {num_pages - 1})"
+                )
+    return lengths, np.clip(pages, 0, num_pages - 1)
+
+
+def merge_inputs(cupy, outs, lses):
+    """The parts of a merge_attention call as two lists of contiguous CuPy arrays, checked:
+    one shape and supported dtype for the outs, float32 lses of their shape but the last axis,
+    at least one part, one device."""
+    parts = {}
+    for name, given in (("outs", outs), ("lses", lses)):
+        if isinstance(given, (list, tuple)):
+            if not given:
+                raise ValueError(f"{name} must hold at least one part, got an empty {type(given).__name__}")
+            for i, x in enumerate(given):
+                check_cupy(cupy, **{f"{name}[{i}]": x})
+            parts[name] = list(given)
+        else:
+            check_cupy(cupy, **{name: given})
+            if given.ndim < 1 or given.shape[0] < 1:
+                raise ValueError(f"{name} must have a first axis of parts (at least one), got shape {given.shape}")
+            parts[name] = list(given)
+    outs, lses = parts["outs"], parts["lses"]
+    require_gpu()
+    if len(outs) != len(lses):
+        raise ValueError(f"outs and lses must hold the same number of parts, got {len(outs)} and {len(lses)}")
+    first = outs[0]
+    check_dtypes(**{f"outs[{i}]": o.dtype for i, o in enumerate(outs)})
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if o.ndim < 2 or o.shape != first.shape:
+            raise ValueError(f"every part of outs must have the shape (..., Nq, Dv) of outs[0], {first.shape}, "
+                             f"got outs[{i}].shape = {o.shape}")
+        if x.dtype != np.float32 or x.shape != first.shape[:-1]:
+            raise ValueError(f"lses[{i}] must be float32 of shape {first.shape[:-1]}, got {x.dtype} {x.shape}")
+    check_devices(**{f"outs[{i}]": o for i, o in enumerate(outs)}, **{f"lses[{i}]": x for i, x in enumerate(lses)})
+    return [cupy.ascontiguousarray(o) for o in outs], [cupy.ascontiguousarray(x) for x in lses]
+
+
+@dataclass
+class KVCacheInputs:
+    """A checked attention_kvcache call, as the kernels read it (kernels/decode/decode.cuh)."""
+
+    q: object                 # (B, E, G * Nq, D), contiguous
+    k: object                 # the caches themselves, written and read in place
+    v: object
+    k_strides: tuple          # (sequence or page, entry, row), in elements
+    v_strides: tuple
+    k_new: object | None      # (B, E, Nnew, D), contiguous
+    v_new: object | None
+    seqlens: object | None    # CuPy int32 (B,), or None: seqlen_all for every sequence
+    seqlen_all: int
+    block_table: object | None  # CuPy int32 (B, max_pages), contiguous
+    batch: int
+    entries: int
+    group: int
+    nq: int
+    n_new: int
+    d: int
+    dv: int
+    capacity: int
+    page_size: int
+    num_pages: int
+    left: int | None
+    right: int | None
+    scale: float
+    num_splits: int | None
+    longest: int              # an upper bound on any sequence's keys (for the split)
+    dtype_name: str
+    out_shape: tuple          # (B, ..., Nq, Dv)
+
+
+def _merged_axis(shape, strides, name):
+    """The stride of dims ``shape`` viewed as one axis (dims of size 1 ignored), or raise."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    for (n0, s0), (n1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * n1:
+            raise ValueError(f"{name}: the dims between its first and its last two must be one strided axis "
+                             f"(as in a (P, H, rows, D) array or a view of one), got shape {shape} and strides {strides}")
+    return dims[-1][1] if dims else 0
+
+
+def kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale,
+                   num_splits, check) -> KVCacheInputs:
+    """Checks an attention_kvcache call; with ``check``, every length and page, before
+    anything is written (ValueError naming the sequence)."""
+    check_cupy(cupy, q=q, k_cache=k_cache, v_cache=v_cache)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: give both or neither")
+    if k_new is not None:
+        check_cupy(cupy, k_new=k_new, v_new=v_new)
+    require_gpu()
+    dtype_name = check_dtypes(q=q.dtype, k_cache=k_cache.dtype, v_cache=v_cache.dtype,
+                              **({} if k_new is None else {"k_new": k_new.dtype, "v_new": v_new.dtype}))
+    check_devices(q=q, k_cache=k_cache, v_cache=v_cache, **({} if k_new is None else {"k_new": k_new, "v_new": v_new}))
+    left, right = normalize_window(causal, window)
+    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_))
+                                   or not isinstance(num_splits, (numbers.Integral, np.integer)) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    if q.ndim < 3 or k_cache.ndim != q.ndim or v_cache.ndim != q.ndim:
+        raise ValueError(f"q (B, ..., Nq, D) and the caches (B or pages, ..., rows, D) must have one number of dims, "
+                         f"at least 3, got shapes {q.shape}, {k_cache.shape} and {v_cache.shape}")
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(f"k_cache and v_cache must agree but in the last dim, got {k_cache.shape} and {v_cache.shape}")
+    batch, nq, d, dv, rows = q.shape[0], q.shape[-2], q.shape[-1], v_cache.shape[-1], k_cache.shape[-2]
+    if k_cache.shape[-1] != d:
+        raise ValueError(f"q and k_cache must have one head dim, got {d} and {k_cache.shape[-1]}")
+    itemsize = q.dtype.itemsize
+    for name, n in (("D", d), ("Dv", dv)):
+        if n < 1 or n > 256 or (n * itemsize) % 16:
+            raise ValueError(f"attention_kvcache takes head dims of whole 16-byte rows up to 256 ({16 // itemsize}, "
+                             f"{32 // itemsize}, ... for {dtype_name}), got {name} = {n}")
+    mid_q, mid_c = q.shape[1:-2], k_cache.shape[1:-2]
+    try:
+        np.broadcast_shapes(mid_q, mid_c)
+    except ValueError:
+        raise ValueError(f"the dims of q between B and Nq, {mid_q}, do not broadcast against the caches', {mid_c}") from None
+    if np.broadcast_shapes(mid_q, mid_c) != tuple(mid_q):
+        raise ValueError(f"q's dims {mid_q} must hold the caches' {mid_c} (q is not broadcast)")
+    grouped = [i for i, (a, c) in enumerate(zip(mid_q, mid_c)) if c == 1 and a > 1]
+    if len(grouped) > 1 or (grouped and grouped[0] != len(mid_q) - 1):
+        raise ValueError(f"attention_kvcache groups query heads along the last dim before Nq only (q (B, Hkv, G, Nq, D) "
+                         f"against caches (., Hkv, 1, rows, D)), got q dims {mid_q} against {mid_c}")
+    group = mid_q[-1] if grouped else 1
+    entry_dims = mid_c[:-1] if grouped else mid_c
+    entries = math.prod(entry_dims)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.size and (x.strides[-1] != itemsize or x.data.ptr % 16 or any(s % 16 for s in x.strides[:-1])):
+            raise ValueError(f"{name} must have contiguous rows on 16-byte boundaries (it is written and read in place)")
+    strides = {}
+    for name, x in (("k", k_cache), ("v", v_cache)):
+        mids = x.shape[1:-2][:len(entry_dims)], x.strides[1:-2][:len(entry_dims)]
+        strides[name] = (x.strides[0] // itemsize, _merged_axis(*mids, f"{name}_cache") // itemsize,
+                         x.strides[-2] // itemsize)
+    n_new = 0
+    if k_new is not None:
+        n_new = k_new.shape[-2] if k_new.ndim == q.ndim else -1
+        want_k, want_v = (batch,) + tuple(mid_c) + (n_new, d), (batch,) + tuple(mid_c) + (n_new, dv)
+        if k_new.shape != want_k or v_new.shape != want_v:
+            raise ValueError(f"k_new and v_new must be (B, <the caches' dims>, Nnew, D / Dv): {want_k[:-2]} + (Nnew, D), "
+                             f"got {k_new.shape} and {v_new.shape}")
+    if block_table is not None:
+        if not isinstance(block_table, (np.ndarray, cupy.ndarray)):
+            raise TypeError(f"block_table must be a NumPy or CuPy int array, got {_type_name(block_table)}")
+        if block_table.dtype.kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise TypeError(f"block_table must be an int array of shape ({batch}, max_pages), got dtype "
+                            f"{block_table.dtype} and shape {block_table.shape}")
+        capacity, page_size, num_pages = block_table.shape[1] * rows, rows, k_cache.shape[0]
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must hold one cache per sequence of q: {batch}, got {k_cache.shape[0]}")
+        capacity, page_size, num_pages = rows, rows, batch
+    on_device = isinstance(cache_seqlens, cupy.ndarray)
+    if on_device and (cache_seqlens.dtype.kind not in "iu" or cache_seqlens.shape != (batch,)):
+        raise TypeError(f"cache_seqlens must be an int or an int array of shape ({batch},), "
+                        f"got dtype {cache_seqlens.dtype} and shape {cache_seqlens.shape}")
+    host_lengths = None
+    if check or not on_device:
+        given = cupy.asnumpy(cache_seqlens) if on_device else cache_seqlens
+        seqlens = host_cache_seqlens(given, batch, None if block_table is not None else rows)
+        table = None
+        if block_table is not None:
+            table = cupy.asnumpy(block_table) if isinstance(block_table, cupy.ndarray) else np.asarray(block_table)
+        host_lengths, _ = kvcache_lengths(seqlens, n_new, capacity, table, num_pages, page_size, bool(check))
+    seqlen_all, device_seqlens = 0, None
+    if on_device:
+        device_seqlens = cupy.ascontiguousarray(cache_seqlens, dtype=cupy.int32)
+    elif isinstance(cache_seqlens, (numbers.Integral, np.integer)) or cache_seqlens is None:
+        seqlen_all = int(rows if cache_seqlens is None else cache_seqlens)
+        seqlen_all = min(max(seqlen_all, -2**31), 2**31 - 1)
+    else:
+        device_seqlens = cupy.asarray(np.clip(np.asarray(cache_seqlens), -2**31, 2**31 - 1).astype(np.int32))
+    table = None
+    if block_table is not None:
+        table = cupy.ascontiguousarray(cupy.asarray(block_table), dtype=cupy.int32)
+    longest = capacity if host_lengths is None else int(host_lengths.max(initial=0))
+    qk = cupy.ascontiguousarray(q).reshape(batch, entries, group * nq, d)
+    news = (None, None) if k_new is None else (
+        cupy.ascontiguousarray(k_new).reshape(batch, entries, n_new, d),
+        cupy.ascontiguousarray(v_new).reshape(batch, entries, n_new, dv))
+    out = KVCacheInputs(
+        qk, k_cache, v_cache, strides["k"], strides["v"], news[0], news[1], device_seqlens, seqlen_all, table, batch, entries, group, nq, n_new, d, dv,
+        capacity, page_size, num_pages, left, right, check_scale(scale, d), None if num_splits is None else int(num_splits),
+        longest, dtype_name, (batch,) + tuple(mid_q) + (nq, dv),
+    )
+    return out

@@ -1,6 +1,8 @@
 """Run-time compilation of the CUDA kernels through NVRTC (``cupy.RawModule``).
 
-The headers in ``kernels/`` are joined, in the fixed order of ``KERNEL_FILES``,
+The headers in ``kernels/`` (``arch/``: instruction wrappers; ``attention/``: parameters,
+masks, softmax, tile configs, schedulers; ``prefill/`` and ``decode/``: the kernels) are
+joined, in the fixed order of ``KERNEL_FILES``,
 into one source string. CuPy's disk cache keys on that string and on the
 options, so editing any kernel file recompiles what it touches. Each
 specialization (one kernel template instantiation) is its own module,
@@ -16,22 +18,27 @@ from pathlib import Path
 from . import _params
 
 KERNEL_FILES = (
-    "common.cuh",
-    "params.cuh",
-    "smem.cuh",
-    "mma.cuh",
-    "wgmma.cuh",
-    "mbarrier.cuh",
-    "mask.cuh",
-    "softmax.cuh",
-    "tile_config.cuh",
-    "schedule.cuh",
-    "reduce.cuh",
-    "attn_fwd.cuh",
-    "attn_fwd_sm90.cuh",
-    "attn_fwd_sm90_ws.cuh",
-    "attn_bwd.cuh",
-    "attn_bwd_sm90.cuh",
+    # arch/: instruction wrappers and element types
+    "arch/common.cuh",
+    "attention/params.cuh",
+    "arch/smem.cuh",
+    "arch/mma.cuh",
+    "arch/wgmma.cuh",
+    "arch/mbarrier.cuh",
+    # attention/: what every kernel shares
+    "attention/mask.cuh",
+    "attention/softmax.cuh",
+    "attention/tile_config.cuh",
+    "attention/schedule.cuh",
+    # prefill/ and decode/: the kernels
+    "prefill/reduce.cuh",
+    "decode/merge.cuh",
+    "decode/decode.cuh",
+    "prefill/attn_fwd.cuh",
+    "prefill/attn_fwd_sm90.cuh",
+    "prefill/attn_fwd_sm90_ws.cuh",
+    "prefill/attn_bwd.cuh",
+    "prefill/attn_bwd_sm90.cuh",
 )
 
 
@@ -62,6 +69,8 @@ def _common_options() -> tuple[str, ...]:
         "--std=c++17",
         f"-DCUFLASH_PARAMS_BYTES={_params.PARAMS_DTYPE.itemsize}",
         f"-DCUFLASH_BWD_PARAMS_BYTES={_params.BWD_PARAMS_DTYPE.itemsize}",
+        f"-DCUFLASH_DECODE_PARAMS_BYTES={_params.DECODE_PARAMS_DTYPE.itemsize}",
+        f"-DCUFLASH_SCHEDULE_THREADS={_params.SCHEDULE_THREADS}",
     )
 
 

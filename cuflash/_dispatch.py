@@ -54,7 +54,7 @@ def fwd_tiles(dtype_name: str, head_dim: int, packed: bool = False) -> FwdTiles:
 
     Each warp keeps 16 rows x dv_block output accumulators in registers; the
     key block shrinks as the head dim grows so that nothing spills. float32
-    products run on the FMA units (kernels/mma.cuh) and need more registers,
+    products run on the FMA units (kernels/arch/mma.cuh) and need more registers,
     so at head dim 256 its output columns are split over four blocks.
     """
     if dtype_name == "float32":
@@ -81,7 +81,7 @@ def fwd_name(dtype_name: str, tiles: FwdTiles, packed: bool = False) -> str:
 
 @dataclass(frozen=True)
 class Sm90FwdTiles:
-    """Tile shape of the Hopper forward kernel (kernels/attn_fwd_sm90.cuh)."""
+    """Tile shape of the Hopper forward kernel (kernels/prefill/attn_fwd_sm90.cuh)."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     block_n: int  # keys per pipeline step
@@ -89,7 +89,7 @@ class Sm90FwdTiles:
     stages: int = 2  # K and V blocks in flight
     min_blocks: int = 1  # blocks per SM the registers are budgeted for
     # blocks run several tiles each when there are more than fit the GPU at once, loading
-    # the next during the last product of one (kernels/attn_fwd_sm90.cuh: MULTI_TILE)
+    # the next during the last product of one (kernels/prefill/attn_fwd_sm90.cuh: MULTI_TILE)
     multi_tile: bool = False
 
     @property
@@ -128,7 +128,7 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, mask
 
 @dataclass(frozen=True)
 class Sm90WsFwdTiles:
-    """Tile shape of the Hopper forward with a loading warpgroup (kernels/attn_fwd_sm90_ws.cuh):
+    """Tile shape of the Hopper forward with a loading warpgroup (kernels/prefill/attn_fwd_sm90_ws.cuh):
     128 query rows per tile over two computing warpgroups, one block per SM running tiles in turn."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
@@ -205,7 +205,7 @@ def bwd_names(dtype_name: str, tiles: BwdTiles, packed: bool = False) -> tuple[s
 
 @dataclass(frozen=True)
 class Sm90BwdTiles:
-    """Tile shape of the Hopper backward kernels (kernels/attn_bwd_sm90.cuh)."""
+    """Tile shape of the Hopper backward kernels (kernels/prefill/attn_bwd_sm90.cuh)."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     dkdv_dcol: int  # dk/dv columns per block (a grid dimension when < head_dim)
@@ -305,7 +305,28 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
                     names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
-    return names + ["cuflash::build_tile_list"] + [sum_parts_name(dt) for dt in ELEMENT_TYPES]
+    return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
+            + decode_specializations())
+
+
+def merge_name(dtype_name: str) -> str:
+    return f"cuflash::merge_attention<{ELEMENT_TYPES[dtype_name][0]}>"
+
+
+MERGE_THREADS = 256   # kernels/decode/merge.cuh: one block of MergeTiles::WARPS warps per row
+
+
+def merge_launch(cupy, outs, lses, out, lse) -> None:
+    """cuflash.merge_attention's kernel (kernels/decode/merge.cuh) over contiguous parts of one shape."""
+    rows = lse.size
+    if not rows:
+        return
+    if rows >= 2**31:
+        raise ValueError(f"merge_attention takes fewer than 2**31 rows (one block each), got {rows}")
+    table = cupy.asarray(np.array([[o.data.ptr for o in outs], [x.data.ptr for x in lses]], dtype=np.uint64))
+    fn = _compile.get_function(merge_name(out.dtype.name), 0)
+    fn((rows,), (MERGE_THREADS,),
+       (table[0], table[1], np.int32(len(outs)), np.int64(rows), np.int32(out.shape[-1]), out, lse))
 
 
 def sum_parts_name(dtype_name: str) -> str:
@@ -314,7 +335,7 @@ def sum_parts_name(dtype_name: str) -> str:
 
 def sum_parts(cupy, partial):
     """(before, parts, ...) partial sums of a split grouped dk/dv pass, added in float32 by one
-    kernel (kernels/reduce.cuh): (before, ...)."""
+    kernel (kernels/prefill/reduce.cuh): (before, ...)."""
     before, parts = partial.shape[:2]
     total = cupy.empty((before,) + partial.shape[2:], dtype=partial.dtype)
     if total.size:
@@ -325,41 +346,54 @@ def sum_parts(cupy, partial):
 
 
 # The arrays of a call, in the order the launches' ``fields`` index them: a record's
-# pointer fields are filled from these (kernels/params.cuh), None giving a null pointer.
+# pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
 FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles")
 BWD_ARRAYS = FWD_ARRAYS + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
 _FWD_FIELDS = tuple(range(8))
 _DQ_FIELDS = tuple(range(8)) + tuple(range(9, 14))
 _DKDV_FIELDS = tuple(range(7)) + tuple(range(8, 14))
 Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
-SCHEDULE_THREADS = 1024   # kernels/schedule.cuh
+CU_SEQLENS_Q, CU_SEQLENS_K = FWD_ARRAYS.index("cu_seqlens_q"), FWD_ARRAYS.index("cu_seqlens_k")
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a call: everything but the data pointers, which
-    ``run`` fills into a copy of the parameter record from the call's arrays."""
+    """One kernel launch of a call: everything but the data pointers, which ``run``
+    writes into the kept parameter record from the call's arrays before launching
+    through the driver (cuLaunchKernel, with the record as its one parameter)."""
 
     fn: object
     grid: tuple[int, ...]
     threads: int
     smem: int
-    params: np.ndarray  # AttnParams or BwdParams, pointers 0
+    params: np.ndarray  # AttnParams, BwdParams or DecodeParams, pointers 0
     fields: tuple[int, ...] = _FWD_FIELDS  # the record's pointers, as indices into the arrays
 
     def __post_init__(self):
         # the record as launches read it, built once per plan rather than per call
         object.__setattr__(self, "_record", _params.Record(self.params))
+        object.__setattr__(self, "_function", self.fn.kernel.ptr)
+        object.__setattr__(self, "_grid", tuple(self.grid) + (1,) * (3 - len(self.grid)))
 
     def run(self, arrays) -> None:
-        record = self._record.fill([arrays[i] for i in self.fields])
-        self.fn(self.grid, (self.threads,), (record,), shared_mem=self.smem)
+        """Launches on the current stream; ``arrays`` holds CuPy arrays, raw pointers (int)
+        or None (a null pointer)."""
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        pointers = [0 if a is None else a if type(a) is int else a.data.ptr for a in (arrays[i] for i in self.fields)]
+        record, (gx, gy, gz) = self._record, self._grid
+        stream = cupy.cuda.get_current_stream().ptr
+        with record.lock:
+            record.fill(pointers)
+            driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
+                                record.kernel_params, 0)
 
 
 @dataclass(frozen=True)
 class TileListLaunch:
     """Builds the tile list ``arrays[index]`` of a launch over packed sequences
-    (kernels/schedule.cuh), from the offsets alone: no host synchronization."""
+    (kernels/attention/schedule.cuh), from the offsets alone: no host synchronization."""
 
     fn: object
     args: tuple  # num_seqs, total_q, total_k, block, by_keys, heavy_last (int32)
@@ -367,8 +401,8 @@ class TileListLaunch:
     capacity: int
 
     def run(self, arrays) -> None:
-        cu_q, cu_k = arrays[5], arrays[6]
-        self.fn((1,), (SCHEDULE_THREADS,), (cu_q, cu_k, *self.args, arrays[self.index], np.int32(self.capacity)))
+        cu_q, cu_k = arrays[CU_SEQLENS_Q], arrays[CU_SEQLENS_K]
+        self.fn((1,), (_params.SCHEDULE_THREADS,), (cu_q, cu_k, *self.args, arrays[self.index], np.int32(self.capacity)))
 
 
 @dataclass(frozen=True)
@@ -549,3 +583,150 @@ def backward_launches(x) -> Launches:
         return Launches(runs, (), entries)
     lists = (_tile_list(x, dq_res, False, Q_TILES, q_capacity), _tile_list(x, dkdv_res, True, K_TILES, k_capacity))
     return Launches(lists + runs, ((Q_TILES, q_capacity), (K_TILES, k_capacity)), entries)
+
+
+DECODE_BLOCK_N = 64   # kernels/decode/decode.cuh: keys per pipeline stage
+
+
+def decode_rows(head_dim: int, rows: int, itemsize: int = 2) -> int:
+    """Query rows per block of the decoding kernel: 16 or 32 (M_TILES 1 or 2; 32 only for
+    16-bit types up to head dim 128, by registers)."""
+    return 32 if rows > 16 and head_dim <= 128 and itemsize == 2 else 16
+
+
+def decode_stages(head_dim: int, itemsize: int) -> int:
+    """K/V stages in flight: three where they fit in 100 KB (two for float32, by registers)."""
+    return 3 if itemsize == 2 and 3 * 2 * DECODE_BLOCK_N * head_dim * itemsize <= 100 * 1024 else 2
+
+
+def decode_supported(head_dim: int, itemsize: int) -> bool:
+    """float32 takes head dims up to 128 (its emulated products need the registers)."""
+    return itemsize == 2 or head_dim <= 128
+
+
+def decode_smem(head_dim: int, block_rows: int, itemsize: int) -> int:
+    # kernels/decode/decode.cuh: Q, then the K/V stages, which the warps' merge reuses afterwards
+    stages = decode_stages(head_dim, itemsize) * 2 * DECODE_BLOCK_N * head_dim * itemsize
+    return block_rows * head_dim * itemsize + max(stages, 4 * block_rows * (head_dim + 2) * 4)
+
+
+def decode_name(dtype_name: str, head_dim: int, block_rows: int, stages: int) -> str:
+    return f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {block_rows // 16}, {stages}>"
+
+
+def decode_slots(fn, smem: int) -> int:
+    """Blocks of the decoding kernel ``fn`` resident on the whole GPU at once (the driver's
+    occupancy at 128 threads and ``smem`` bytes, times the SMs)."""
+    key = (id(fn), smem)
+    slots = _decode_slots.get(key)
+    if slots is None:
+        from cupy_backends.cuda.api import driver
+
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, 128, smem)
+        slots = _decode_slots[key] = max(1, per_sm) * sm_count()
+    return slots
+
+
+_decode_slots: dict = {}
+DECODE_SPLIT_COST = 2   # key blocks' worth of time a block spends starting and ending (and the merge)
+
+
+def decode_splits(blocks: int, longest: int, forced: int | None, slots: int) -> tuple[int, int]:
+    """(splits, keys per split) of the keys of each (sequence, entry): forced, or the count
+    with the shortest modelled time, in waves of ``slots`` resident blocks times the key
+    blocks each block reads plus its fixed cost (flash-decoding; a split keeps at least
+    four key blocks)."""
+    key_blocks = max(1, -(-longest // DECODE_BLOCK_N))
+    if forced is None:
+        blocks = max(blocks, 1)
+
+        def time(s):
+            return -(-blocks * s // slots) * (-(-key_blocks // s) + DECODE_SPLIT_COST) + (DECODE_SPLIT_COST if s > 1 else 0)
+
+        forced = min(range(1, max(1, min(128, key_blocks // 4)) + 1), key=time)
+    per_split = -(-key_blocks // forced) * DECODE_BLOCK_N
+    return -(-max(longest, 1) // per_split), per_split
+
+
+@dataclass(frozen=True)
+class KVCacheLaunches:
+    """What an attention_kvcache call runs: the append (if any), the decoding kernel and
+    the merge of its splits (if any), over the arrays of DECODE_POINTERS; and what to
+    allocate: out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)),
+    lse, and the float32 partials of the splits."""
+
+    runs: tuple
+    out_shape: tuple[int, ...]
+    parts: tuple[int, int, int] | None   # (splits, rows, dv)
+
+    def run(self, cupy, dtype, q, k, v, seqlens, block_table, k_new, v_new):
+        out = cupy.empty(self.out_shape, dtype=dtype)
+        lse = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
+        parts = part_out = part_lse = None
+        if self.parts is not None:   # one allocation: the float32 partial outputs, then their lse
+            splits, rows, dv = self.parts
+            parts = cupy.cuda.alloc(splits * rows * (dv + 1) * 4)
+            part_out, part_lse = parts.ptr, parts.ptr + splits * rows * dv * 4
+        arrays = (q, k, v, out, lse, seqlens, block_table, part_out, part_lse, k_new, v_new)
+        for launch in self.runs:
+            launch.run(arrays)
+        return out, lse
+
+
+_DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
+
+
+def kvcache_launches(x) -> KVCacheLaunches:
+    """The launches of a checked attention_kvcache call (kernels/decode/decode.cuh)."""
+    itemsize = ELEMENT_TYPES[x.dtype_name][1]
+    elem = ELEMENT_TYPES[x.dtype_name][0]
+    head_dim = head_dim_bucket(x.d, x.dv)
+    rows = x.group * x.nq
+    block_rows = decode_rows(head_dim, rows, itemsize)
+    stages = decode_stages(head_dim, itemsize)
+    smem = decode_smem(head_dim, block_rows, itemsize)
+    if smem > 227 * 1024 or not decode_supported(head_dim, itemsize):
+        raise ValueError(f"attention_kvcache does not take {x.dtype_name} with head dims above 128 "
+                         f"(D = {x.d}, Dv = {x.dv}); use float16 or bfloat16")
+    row_groups = -(-rows // block_rows)
+    decode = _compile.get_function(decode_name(x.dtype_name, head_dim, block_rows, stages), smem)
+    blocks = x.batch * x.entries * row_groups
+    splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, decode_slots(decode, smem))
+    unbounded = x.capacity + x.nq
+    ks, vs = x.k_strides, x.v_strides
+    kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
+    vn = (0, 0, 0) if x.v_new is None else tuple(st // itemsize for st in x.v_new.strides[:3])
+    params = _params.decode_params(
+        q_stride_b=x.q.strides[0] // itemsize, q_stride_e=x.q.strides[1] // itemsize, q_stride_row=x.q.strides[2] // itemsize,
+        k_stride_b=ks[0], k_stride_e=ks[1], k_stride_row=ks[2], v_stride_b=vs[0], v_stride_e=vs[1], v_stride_row=vs[2],
+        kn_stride_b=kn[0], kn_stride_e=kn[1], kn_stride_row=kn[2], vn_stride_b=vn[0], vn_stride_e=vn[1], vn_stride_row=vn[2],
+        batch=x.batch, entries=x.entries, rows=rows, nq=x.nq, d=x.d, dv=x.dv, n_new=x.n_new,
+        seqlen_all=x.seqlen_all, capacity=x.capacity, page_size=x.page_size, num_pages=x.num_pages,
+        max_pages=0 if x.block_table is None else x.block_table.shape[1],
+        window_left=unbounded if x.left is None else min(x.left, unbounded),
+        window_right=unbounded if x.right is None else min(x.right, unbounded),
+        scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,
+    )
+    runs = []
+    if x.n_new and x.batch * x.entries:
+        append = _compile.get_function(f"cuflash::kvcache_append<{elem}>", 0)
+        runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, _DECODE_FIELDS))
+    if rows and x.batch * x.entries:
+        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, smem, params, _DECODE_FIELDS))
+        if splits > 1:
+            combine = _compile.get_function(f"cuflash::combine_splits<{elem}>", 0)
+            runs.append(Launch(combine, (x.batch * x.entries * rows,), MERGE_THREADS, 0, params, _DECODE_FIELDS))
+    parts = (splits, x.batch * x.entries * rows, x.dv) if splits > 1 else None
+    return KVCacheLaunches(tuple(runs), x.out_shape, parts)
+
+
+def decode_specializations() -> list[str]:
+    """The KV-cache kernels, for every dtype and head-dim bucket they take."""
+    names = []
+    for dt, (elem, itemsize) in ELEMENT_TYPES.items():
+        names += [f"cuflash::kvcache_append<{elem}>", f"cuflash::combine_splits<{elem}>"]
+        for hd in HEAD_DIM_BUCKETS:
+            for block_rows in sorted({decode_rows(hd, 16, itemsize), decode_rows(hd, 32, itemsize)}):
+                if decode_smem(hd, block_rows, itemsize) <= 227 * 1024 and decode_supported(hd, itemsize):
+                    names.append(decode_name(dt, hd, block_rows, decode_stages(hd, itemsize)))
+    return names

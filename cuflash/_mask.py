@@ -7,7 +7,7 @@ score matrix. With ``off = Nk - Nq``, query row ``i`` may attend key ``j`` iff::
 
 where ``left`` or ``right`` set to ``None`` leaves that side unbounded. ``causal=True`` is the
 window with ``right = 0``. Every other piece of Python in the package asks this module; the CUDA
-side (``kernels/mask.cuh``) implements the same formulas, and the block helpers below
+side (``kernels/attention/mask.cuh``) implements the same formulas, and the block helpers below
 (`key_range`, `block_needs_mask`) are the ones the kernels use to skip or mask key blocks.
 """
 

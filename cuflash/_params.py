@@ -1,4 +1,4 @@
-"""The kernels' parameter record (``AttnParams`` in ``kernels/params.cuh``).
+"""The kernels' parameter record (``AttnParams`` in ``kernels/attention/params.cuh``).
 
 Built as a NumPy structured scalar and passed to the kernel by value. Every
 field is 8 bytes wide, so C++ and NumPy lay it out alike with no padding; the
@@ -8,6 +8,7 @@ kernel checks the size at compile time.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,32 @@ BWD_PARAMS_DTYPE = np.dtype(
         ("num_n_blocks", np.int64),
     ]
 )
+
+
+# Threads of the one block that builds a tile list (kernels/attention/schedule.cuh), given to
+# the kernels as CUFLASH_SCHEDULE_THREADS.
+SCHEDULE_THREADS = 1024
+
+# kernels/decode/decode.cuh: DecodeParams, field for field (pointers first).
+DECODE_POINTERS = ("q", "k", "v", "out", "lse", "seqlens", "block_table", "part_out", "part_lse", "k_new", "v_new")
+DECODE_PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in DECODE_POINTERS]
+    + [(name, np.int64) for name in (
+        "q_stride_b", "q_stride_e", "q_stride_row", "k_stride_b", "k_stride_e", "k_stride_row",
+        "v_stride_b", "v_stride_e", "v_stride_row", "kn_stride_b", "kn_stride_e", "kn_stride_row",
+        "vn_stride_b", "vn_stride_e", "vn_stride_row", "batch", "entries", "rows", "nq", "d", "dv", "n_new",
+        "seqlen_all", "capacity", "page_size", "num_pages", "max_pages", "window_left", "window_right")]
+    + [("scale_log2", np.float64), ("splits", np.int64), ("split_keys", np.int64)]
+)
+
+
+def decode_params(**fields) -> np.ndarray:
+    """One ``DecodeParams`` record (a length-1 structured array), every field by name but
+    the pointers, which are left 0 (``Record.fill`` gives them)."""
+    values = (0,) * len(DECODE_POINTERS) + tuple(fields.pop(name) for name in DECODE_PARAMS_DTYPE.names[len(DECODE_POINTERS):])
+    if fields:
+        raise TypeError(f"not fields of DecodeParams: {sorted(fields)}")
+    return np.array([values], dtype=DECODE_PARAMS_DTYPE)
 
 
 # What the batch entries of one group of the grid order may read (K and V, or Q
@@ -85,7 +112,7 @@ def batch_layout(x) -> BatchLayout:
 
 def attn_params(inputs, block_m: int, layout: BatchLayout | None = None) -> np.ndarray:
     """One ``AttnParams`` record (a length-1 structured array) for a forward launch,
-    its pointers left 0 (``with_pointers`` fills them)."""
+    its pointers left 0 (``Record.fill`` gives them)."""
     return np.array([_attn_values(inputs, block_m, layout or batch_layout(inputs))], dtype=PARAMS_DTYPE)
 
 
@@ -95,45 +122,45 @@ def bwd_params(inputs, resident: int, layout: BatchLayout | None = None) -> np.n
     return np.array([values], dtype=BWD_PARAMS_DTYPE)
 
 
-# The pointer fields, as 8-byte words of a record: q, k, v, out, lse, cu_seqlens_q,
-# cu_seqlens_k, tiles first in both records, then the backward's dout, delta, dq, dk,
-# dv_grad right after AttnParams.
+# The pointer fields, as 8-byte words of each record: q, k, v, out, lse, cu_seqlens_q,
+# cu_seqlens_k, tiles first in both attention records, then the backward's dout, delta,
+# dq, dk, dv_grad right after AttnParams; a DecodeParams record starts with its pointers.
 FWD_POINTERS = 8
-_BWD_POINTERS = slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)
+_POINTER_WORDS = {   # runs of consecutive words (slices assign faster than index arrays)
+    PARAMS_DTYPE: (slice(0, FWD_POINTERS),),
+    BWD_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)),
+    DECODE_PARAMS_DTYPE: (slice(0, len(DECODE_POINTERS)),),
+}
 
 
 class Record:
-    """A parameter record kept for launches: its 8-byte words, copied and given the data
-    pointers of each call (``fill``), and the opaque element type it is passed as."""
+    """A parameter record kept for launches, laid out as the driver takes a kernel's
+    parameters: word 0 holds the address of the record, which follows it. ``fill``
+    writes each call's data pointers into it; the driver copies it when the kernel is
+    launched, so the next call can fill it again (under ``lock``, for threads)."""
 
-    __slots__ = ("words", "arg_dtype")
+    __slots__ = ("buffer", "words", "dtype", "kernel_params", "pointer_words", "lock")
 
     def __init__(self, params: np.ndarray):
-        self.words = params.view(np.uint64).copy()
-        self.arg_dtype = np.dtype((np.void, params.nbytes))
+        self.buffer = np.zeros(params.nbytes // 8 + 1, dtype=np.uint64)
+        self.words = self.buffer[1:]
+        self.words[:] = params.view(np.uint64)
+        self.dtype = params.dtype
+        self.kernel_params = int(self.buffer.ctypes.data)   # (void **) for cuLaunchKernel
+        self.buffer[0] = self.kernel_params + 8
+        self.pointer_words = _POINTER_WORDS[params.dtype]
+        self.lock = threading.Lock()
 
-    def fill(self, arrays) -> np.ndarray:
-        """The record with the data pointers of ``arrays`` (its pointer fields in order;
-        None for a null pointer), as a kernel argument (``kernel_arg``)."""
-        words = self.words.copy()
-        pointers = [0 if a is None else a.data.ptr for a in arrays]
-        words[:FWD_POINTERS] = pointers[:FWD_POINTERS]
-        if len(pointers) > FWD_POINTERS:
-            words[_BWD_POINTERS] = pointers[FWD_POINTERS:]
-        return words.view(self.arg_dtype)
+    def fill(self, pointers) -> None:
+        """Writes the data pointers (ints, 0 for none) into the record's pointer fields, in order."""
+        start = 0
+        for run in self.pointer_words:
+            self.words[run] = pointers[start:start + run.stop - run.start]
+            start += run.stop - run.start
 
-
-def with_pointers(params: np.ndarray, arrays) -> np.ndarray:
-    """A copy of a record with the data pointers of ``arrays`` (the record's pointer
-    fields in order; None for a null pointer), as a kernel argument (``kernel_arg``)."""
-    return Record(params).fill(arrays)
-
-
-def kernel_arg(params: np.ndarray) -> np.ndarray:
-    """A record as a kernel argument: one opaque element of its size. (CuPy passes a
-    one-element NumPy array by value, and reads the description of a structured
-    dtype at every launch, which takes longer than the rest of the launch.)"""
-    return params.view(np.dtype((np.void, params.nbytes)))
+    def view(self) -> np.void:
+        """The record as its structured dtype (for inspection)."""
+        return self.words.view(self.dtype)[0]
 
 
 def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:

@@ -13,6 +13,7 @@ checks the offsets.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from dataclasses import dataclass
 
@@ -140,3 +141,61 @@ def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None):
             and grads == (q.shape, k.shape, v.shape)):
         _keep(key, plan)
     return plan, checked + _packed_arrays(x)
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    device: int
+    launches: _dispatch.KVCacheLaunches
+
+
+def _array_key(a):
+    return None if a is None else (type(a), a.dtype, a.shape, a.strides, a.data.device_id, a.data.ptr % 16 == 0)
+
+
+def _kvcache_signature(arrays, cache_seqlens, block_table, causal, window, scale, num_splits, check):
+    """The cache key of an attention_kvcache call, or None when it must be checked every
+    time: with ``check=True``, lengths or pages that live in arrays (their values are read);
+    lengths or tables the kernels cannot read in place (NumPy, or not contiguous int32)."""
+    if not (window is None or isinstance(window, (tuple, list))):
+        return None
+    device_lengths = not (cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral))
+    if check is not False and (device_lengths or block_table is not None):
+        return None
+    try:
+        index_arrays = tuple(
+            _array_key(a) if a is None or (a.dtype == "int32" and a.flags.c_contiguous) else False
+            for a in ((cache_seqlens if device_lengths else None), block_table)
+        )
+        if False in index_arrays:
+            return None
+        key = ("kvcache", type(causal), causal, None if window is None else tuple((type(w), w) for w in window),
+               type(scale), scale, type(num_splits), num_splits, type(check), check,
+               None if device_lengths else (type(cache_seqlens), cache_seqlens)) + index_arrays + tuple(
+            _array_key(a) for a in arrays)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check):
+    """(plan, (q, k, v, seqlens, block_table, k_new, v_new) as the kernels read them) of an
+    attention_kvcache call; raises as the checks do, before anything is written."""
+    key = _kvcache_signature((q, k_cache, v_cache, k_new, v_new), cache_seqlens, block_table, causal, window, scale,
+                             num_splits, check)
+    plan = _plans.get(key)
+    if plan is not None:
+        device_lengths = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral) else cache_seqlens
+        return plan, (q, k_cache, v_cache, device_lengths, block_table, k_new, v_new)
+    cupy = _checks.require_cupy()
+    x = _checks.kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window,
+                               scale, num_splits, check)
+    with cupy.cuda.Device(q.device.id):
+        plan = KVCachePlan(q.device.id, _dispatch.kvcache_launches(x))
+    arrays = (x.q, x.k, x.v, x.seqlens, x.block_table, x.k_new, x.v_new)
+    given = (q, k_cache, v_cache, cache_seqlens if x.seqlens is not None else None, block_table, k_new, v_new)
+    if key is not None and all((a is None) == (b is None) and (a is None or a.data.ptr == b.data.ptr)
+                               for a, b in zip(arrays, given)):
+        _keep(key, plan)   # the kernels read the call's own arrays: a repeat can pass them as they are
+    return plan, arrays

@@ -21,10 +21,12 @@ import numbers
 
 import numpy as np
 
-from ._checks import check_scale, check_shapes, packed_sequences, sum_to_shape
+from ._checks import (
+    check_scale, check_shapes, host_cache_seqlens, kvcache_lengths, packed_sequences, sum_to_shape,
+)
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
 
-__all__ = ["attention", "attention_backward", "tiled_attention"]
+__all__ = ["attention", "attention_backward", "attention_kvcache", "merge_attention", "tiled_attention"]
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -397,3 +399,136 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         sum_to_shape(dk, k.shape),
         sum_to_shape(dv, v.shape),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache and merging partial results
+# ---------------------------------------------------------------------------------------------
+
+
+def _host_cache(name: str, x) -> np.ndarray:
+    """A cache argument: a writable NumPy array of a real floating dtype (written in place)."""
+    _as_host(name, x)
+    if not isinstance(x, np.ndarray) or x.ndim < 3:
+        raise TypeError(f"{name} must be a NumPy array of at least 3 dims (B or pages, ..., N, D), got {type(x).__name__}")
+    _as_float64(name, x[:0])   # the dtype check, without a copy
+    return x
+
+
+def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
+                      causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False):
+    """Attention of a few new query rows per sequence against a KV cache, in float64; the
+    NumPy twin of `cuflash.attention_kvcache` (docs/contract.md).
+
+    Parameters
+    ----------
+    q : array_like, shape (B, ..., Nq, D)
+        B sequences, Nq new query rows each; the dims between broadcast against the cache's.
+    k_cache, v_cache : ndarray
+        Contiguous: (B, ..., Nmax, D) and (B, ..., Nmax, Dv). Paged (with ``block_table``):
+        (P, ..., page_size, D / Dv); key j of sequence b is row ``j % page_size`` of page
+        ``block_table[b, j // page_size]``. Written in place when ``k_new`` is given.
+    k_new, v_new : array_like, shape (B, ..., Nnew, D / Dv), optional (both or neither)
+        Written into the caches at positions ``cache_seqlens[b] ... cache_seqlens[b] + Nnew - 1``
+        before the attention, which then sees the first ``cache_seqlens[b] + Nnew`` keys.
+    cache_seqlens : int or integer ndarray of shape (B,), optional
+        Keys already in each sequence's cache; default Nmax (contiguous), required when paged.
+        Not changed: the caller advances it.
+    block_table : integer ndarray of shape (B, max_pages), optional
+        The pages of each sequence (a paged cache).
+    causal, window, scale
+        As in `attention`, per sequence, bottom-right aligned: Nk_b = cache_seqlens[b] + Nnew
+        keys against Nq rows.
+    num_splits : None or positive int
+        Checked only: the GPU function's split of the keys; the result does not depend on it.
+    check : bool
+        Raise ValueError, before anything is written, for a sequence that would run past its
+        cache, a negative ``cache_seqlens`` or a page outside the cache. ``check=False`` clamps
+        instead: new keys outside the cache are dropped, pages are clamped.
+    return_lse : bool
+
+    Returns
+    -------
+    out : ndarray, shape (B, ...) + (Nq, Dv), float64
+    lse : ndarray, shape (B, ...) + (Nq,), only with ``return_lse=True``
+    """
+    left, right = normalize_window(causal, window)
+    q = _as_float64("q", q)
+    k_cache, v_cache = _host_cache("k_cache", k_cache), _host_cache("v_cache", v_cache)
+    if q.ndim < 3:
+        raise ValueError(f"q must have at least 3 dims (B, ..., Nq, D), got shape {q.shape}")
+    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_))
+                                   or not isinstance(num_splits, (numbers.Integral, np.integer)) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: give both or neither")
+    if k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[-2] != v_cache.shape[-2]:
+        raise ValueError(
+            f"k_cache and v_cache must have the same pages (or sequences) and rows, got shapes {k_cache.shape} "
+            f"and {v_cache.shape}"
+        )
+    batch, rows = q.shape[0], k_cache.shape[-2]
+    if block_table is not None:
+        _as_host("block_table", block_table)
+        block_table = np.asarray(block_table)
+        if block_table.dtype.kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise TypeError(f"block_table must be an int array of shape ({batch}, max_pages), got dtype "
+                            f"{block_table.dtype} and shape {block_table.shape}")
+        capacity = block_table.shape[1] * rows
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must hold one cache per sequence of q: {batch}, got {k_cache.shape[0]}")
+        capacity = rows
+    _as_host("cache_seqlens", cache_seqlens)
+    seqlens = host_cache_seqlens(cache_seqlens, batch, None if block_table is not None else rows)
+    n_new = 0
+    if k_new is not None:
+        k_new, v_new = _as_float64("k_new", k_new), _as_float64("v_new", v_new)
+        n_new = k_new.shape[-2]
+        if k_new.shape[0] != batch or v_new.shape[0] != batch or v_new.shape[-2] != n_new:
+            raise ValueError(f"k_new and v_new must be (B, ..., Nnew, D) with B = {batch} and one Nnew, got shapes "
+                             f"{k_new.shape} and {v_new.shape}")
+    lengths, pages = kvcache_lengths(seqlens, n_new, capacity, block_table, k_cache.shape[0], rows, bool(check))
+
+    def place(b, j):   # the cache index of key j of sequence b
+        return (int(pages[b, j // rows]), j % rows) if pages is not None else (b, j)
+
+    for b in range(batch):                       # the appends, after every check
+        for i in range(n_new):
+            j = int(seqlens[b]) + i
+            if 0 <= j < capacity:
+                page, row = place(b, j)
+                k_cache[page, ..., row, :] = k_new[b, ..., i, :]
+                v_cache[page, ..., row, :] = v_new[b, ..., i, :]
+    outs, lses = [], []
+    for b in range(batch):
+        keys = [place(b, j) for j in range(int(lengths[b]))]
+        k = np.stack([k_cache[page, ..., row, :] for page, row in keys], axis=-2) if keys else \
+            np.zeros(k_cache.shape[1:-2] + (0, k_cache.shape[-1]))
+        v = np.stack([v_cache[page, ..., row, :] for page, row in keys], axis=-2) if keys else \
+            np.zeros(v_cache.shape[1:-2] + (0, v_cache.shape[-1]))
+        out, lse = attention(q[b], k, v, window=(left, right), scale=scale, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = np.stack(outs), np.stack(lses)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention(outs, lses):
+    """The attention over the union of disjoint key sets from the attentions over each, in
+    float64; the NumPy twin of `cuflash.merge_attention` (docs/contract.md).
+
+    ``outs``: a sequence of arrays (or one array whose first axis indexes the parts), each
+    ``(..., Nq, Dv)``; ``lses`` likewise, ``(..., Nq)``. Returns ``out = sum_s exp(lse_s - lse)
+    out_s`` and ``lse = log sum_s exp(lse_s)``; rows where every ``lse_s`` is -inf give out 0 and
+    lse -inf.
+    """
+    outs = np.stack([_as_float64("outs", o) for o in outs]) if isinstance(outs, (list, tuple)) else _as_float64("outs", outs)
+    lses = np.stack([_as_float64("lses", x) for x in lses]) if isinstance(lses, (list, tuple)) else _as_float64("lses", lses)
+    if outs.ndim < 3 or lses.shape != outs.shape[:-1]:
+        raise ValueError(f"outs must be (parts, ..., Nq, Dv) and lses (parts, ..., Nq), got shapes {outs.shape} "
+                         f"and {lses.shape}")
+    lse = np.logaddexp.reduce(lses, axis=0)
+    seen = np.isfinite(lse)
+    weights = np.where(seen, np.exp(lses - np.where(seen, lse, 0.0)), 0.0)
+    return (weights[..., None] * outs).sum(axis=0), np.where(seen, lse, -np.inf)

@@ -22,9 +22,18 @@ def test_kernel_source_has_every_file():
 def test_specializations_cover_every_dtype_and_bucket():
     names = _dispatch.all_specializations()
     n_types, n_dims = len(_dispatch.ELEMENT_TYPES), len(_dispatch.HEAD_DIM_BUCKETS)
-    # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta and the sum of
-    # grouped partials; the tile-list builder
-    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 2) + 1
+    # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta, the sum of
+    # grouped partials and merge_attention; the tile-list builder; and the KV-cache kernels
+    decode = _dispatch.decode_specializations()
+    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 3) + 1 + len(decode)
+    for dt, (elem, item) in _dispatch.ELEMENT_TYPES.items():
+        assert f"cuflash::kvcache_append<{elem}>" in decode and f"cuflash::combine_splits<{elem}>" in decode
+        for hd in _dispatch.HEAD_DIM_BUCKETS:
+            if _dispatch.decode_supported(hd, item):
+                for rows in (1, 20):
+                    block_rows = _dispatch.decode_rows(hd, rows, item)
+                    assert _dispatch.decode_smem(hd, block_rows, item) <= 227 * 1024
+                    assert _dispatch.decode_name(dt, hd, block_rows, _dispatch.decode_stages(hd, item)) in decode
     for dt in _dispatch.ELEMENT_TYPES:
         for hd in _dispatch.HEAD_DIM_BUCKETS:
             item = _dispatch.ELEMENT_TYPES[dt][1]
@@ -74,13 +83,14 @@ def test_params_record_is_all_8_byte_fields():
     assert all(_params.PARAMS_DTYPE.fields[f][0].base.itemsize == 8 for f in _params.PARAMS_DTYPE.names)
 
 
-def test_kernel_argument_is_one_element_holding_the_record():
-    record = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
-    record[0]["nq"], record[0]["scale_log2"] = 1234, 0.25
-    arg = _params.kernel_arg(record)
-    # CuPy passes only one-element NumPy arrays by value
-    assert arg.shape == (1,) and arg.nbytes == record.nbytes and not arg.dtype.fields
-    assert arg.tobytes() == record.tobytes()
+def test_kernel_parameters_point_at_the_record():
+    params = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
+    params[0]["nq"], params[0]["scale_log2"] = 1234, 0.25
+    record = _params.Record(params)
+    # the driver's kernel parameters: one pointer, to the record that follows it
+    assert record.buffer[0] == record.kernel_params + 8 == record.words.ctypes.data
+    assert record.words.tobytes() == params.tobytes()
+    assert record.view()["nq"] == 1234 and record.view()["scale_log2"] == 0.25
 
 
 @st.composite
@@ -157,14 +167,15 @@ def test_pointers_land_in_their_fields():
              "dv_grad")
     arrays = [_FakeArray((1,), (2,), 4096 * (i + 1)) for i in range(len(names))]
     arrays[6] = None   # a null pointer
-    arg = _params.with_pointers(record, arrays)
-    assert arg.shape == (1,) and arg.nbytes == record.nbytes
-    filled = arg.view(_params.BWD_PARAMS_DTYPE)[0]
+    kept = _params.Record(record)
+    kept.fill([0 if a is None else a.data.ptr for a in arrays])
+    filled = kept.view()
     want = [0 if a is None else a.data.ptr for a in arrays]
     assert [int(filled[n]) for n in names] == want
     assert filled["nq"] == 77 and filled["num_n_blocks"] == 5 and record[0]["q"] == 0
-    fwd = _params.with_pointers(np.zeros(1, dtype=_params.PARAMS_DTYPE), arrays[:8]).view(_params.PARAMS_DTYPE)[0]
-    assert [int(fwd[n]) for n in names[:8]] == want[:8]
+    fwd = _params.Record(np.zeros(1, dtype=_params.PARAMS_DTYPE))
+    fwd.fill(want[:8])
+    assert [int(fwd.view()[n]) for n in names[:8]] == want[:8]
 
 
 def _group_of(q_shape, k_shape, v_shape=None):
@@ -213,3 +224,21 @@ def test_dkdv_layout_splits_groups_only_when_blocks_are_few():
     assert entries == (2, 2, 1) and some.group_size == 4
     many, entries = _dispatch.dkdv_layout(X, key_blocks=1000, slots=264)
     assert entries == (2, 1, 1) and many.entries == 2 and many.group_size == 8 and many.shape == kshape
+
+
+def test_decode_params_record_holds_every_field_in_order():
+    names = _params.DECODE_PARAMS_DTYPE.names
+    assert all(_params.DECODE_PARAMS_DTYPE.fields[f][0].itemsize == 8 for f in names)
+    assert names[:len(_params.DECODE_POINTERS)] == _params.DECODE_POINTERS
+    values = {n: (0.25 if n == "scale_log2" else i + 1) for i, n in enumerate(names)}
+    fields = {n: x for n, x in values.items() if n not in _params.DECODE_POINTERS}
+    params = _params.decode_params(**fields)
+
+    kept = _params.Record(params)
+    kept.fill([0 if n == "block_table" else values[n] for n in _params.DECODE_POINTERS])   # (no block table)
+    record = kept.view()
+    assert all(record[n] == (0 if n == "block_table" else values[n]) for n in names)
+    with pytest.raises(TypeError, match="not fields"):
+        _params.decode_params(**fields, stray=1)
+    with pytest.raises(KeyError):
+        _params.decode_params(**{n: x for n, x in fields.items() if n != "splits"})

@@ -701,3 +701,133 @@ def test_unchecked_offsets_are_clamped():
     assert (out[2:] == 0).all() and np.isneginf(lse[2:]).all()
     with pytest.raises(ValueError):
         reference.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache and merging (docs/contract.md: KV cache, merging partial results)
+# ---------------------------------------------------------------------------------------------
+
+KV_MASKS = ({}, {"causal": True}, {"window": (5, 2)}, {"window": (None, 0)})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    n_new=st.integers(0, 3),
+    nq=st.integers(1, 4),
+    group=st.sampled_from((1, 3)),
+    mask=st.sampled_from(KV_MASKS),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_kvcache_contiguous_and_paged_against_attention(lengths, n_new, nq, group, mask, seed):
+    """Each sequence's rows against its cached keys plus the appended ones, contiguous and
+    paged (pages in a random order, several page sizes): the same as attention over them."""
+    rng = np.random.default_rng(seed)
+    b, hkv, d, dv, nmax = len(lengths), 2, 8, 6, 48
+    seqlens = np.array(lengths)
+    q = rng.standard_normal((b, hkv, group, nq, d))
+    kc, vc = rng.standard_normal((b, hkv, 1, nmax, d)), rng.standard_normal((b, hkv, 1, nmax, dv))
+    kn, vn = rng.standard_normal((b, hkv, 1, n_new, d)), rng.standard_normal((b, hkv, 1, n_new, dv))
+    want_k = [np.concatenate([kc[i, ..., : seqlens[i], :], kn[i]], axis=-2) for i in range(b)]
+    want_v = [np.concatenate([vc[i, ..., : seqlens[i], :], vn[i]], axis=-2) for i in range(b)]
+    want = np.stack([reference.attention(q[i], want_k[i], want_v[i], return_lse=True, **mask)[0] for i in range(b)])
+    k_cache, v_cache = kc.copy(), vc.copy()
+    out, lse = reference.attention_kvcache(q, k_cache, v_cache, k_new=kn, v_new=vn, cache_seqlens=seqlens,
+                                           return_lse=True, **mask)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    assert out.shape == (b, hkv, group, nq, dv) and lse.shape == (b, hkv, group, nq)
+    for i in range(b):   # the appends, in place, and nothing else changed
+        np.testing.assert_array_equal(k_cache[i, ..., : seqlens[i] + n_new, :], want_k[i])
+        np.testing.assert_array_equal(k_cache[i, ..., seqlens[i] + n_new:, :], kc[i, ..., seqlens[i] + n_new:, :])
+    for page_size in (1, 5, 16):
+        max_pages = -(-nmax // page_size)
+        table = rng.permutation(b * max_pages).reshape(b, max_pages).astype(np.int32)
+        kp = np.zeros((b * max_pages, hkv, 1, page_size, d))
+        vp = np.zeros((b * max_pages, hkv, 1, page_size, dv))
+        for i in range(b):
+            for j in range(seqlens[i]):
+                kp[table[i, j // page_size], ..., j % page_size, :] = kc[i, ..., j, :]
+                vp[table[i, j // page_size], ..., j % page_size, :] = vc[i, ..., j, :]
+        paged = reference.attention_kvcache(q, kp, vp, k_new=kn, v_new=vn, cache_seqlens=seqlens, block_table=table,
+                                            **mask)
+        np.testing.assert_allclose(paged, want, atol=1e-12)
+
+
+def test_kvcache_defaults_and_int_seqlens():
+    rng = np.random.default_rng(1)
+    q, kc, vc = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 20, 8)), rng.standard_normal((2, 20, 8))
+    full = reference.attention_kvcache(q, kc, vc, causal=True)   # every cached key
+    np.testing.assert_allclose(full, reference.attention(q, kc, vc, causal=True), atol=1e-12)
+    part = reference.attention_kvcache(q, kc, vc, cache_seqlens=7)
+    np.testing.assert_allclose(part, reference.attention(q, kc[:, :7], vc[:, :7]), atol=1e-12)
+    with pytest.raises(ValueError, match="required with block_table"):
+        reference.attention_kvcache(q, kc, vc, block_table=np.zeros((2, 1), np.int32))
+
+
+@pytest.mark.parametrize(
+    "seqlens, table, message",
+    [
+        (np.array([18, 19]), None, "sequence 1 would run past its cache"),
+        (np.array([-1, 0]), None, r"cache_seqlens\[0\] = -1 is negative"),
+        (np.array([3, 4]), np.array([[0, 1], [1, 9]]), r"block_table\[1, 1\] = 9 is not a page"),
+    ],
+)
+def test_kvcache_check_refuses_and_writes_nothing(seqlens, table, message):
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 1, 8))
+    pages = table is not None
+    kc = rng.standard_normal((4, 3, 8) if pages else (2, 20, 8))
+    vc = rng.standard_normal(kc.shape)
+    kn, vn = rng.standard_normal((2, 2, 8)), rng.standard_normal((2, 2, 8))
+    before = kc.copy(), vc.copy()
+    with pytest.raises(ValueError, match=message):
+        reference.attention_kvcache(q, kc, vc, k_new=kn, v_new=vn, cache_seqlens=seqlens, block_table=table)
+    np.testing.assert_array_equal(kc, before[0])
+    np.testing.assert_array_equal(vc, before[1])
+    # check=False clamps instead: no error, and keys past a cache's end are dropped
+    out = reference.attention_kvcache(q, kc, vc, k_new=kn, v_new=vn, cache_seqlens=seqlens, block_table=table,
+                                      check=False)
+    assert out.shape == (2, 1, 8) and np.isfinite(out).all()
+
+
+def test_kvcache_argument_errors():
+    q, kc = np.zeros((2, 1, 8)), np.zeros((2, 5, 8))
+    with pytest.raises(ValueError, match="go together"):
+        reference.attention_kvcache(q, kc, kc, k_new=np.zeros((2, 1, 8)))
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        reference.attention_kvcache(q, kc, kc, cache_seqlens=np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="num_splits"):
+        reference.attention_kvcache(q, kc, kc, num_splits=0)
+    with pytest.raises(ValueError, match="one cache per sequence"):
+        reference.attention_kvcache(q, np.zeros((3, 5, 8)), np.zeros((3, 5, 8)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 60), parts=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_merge_of_disjoint_key_sets_is_attention_over_their_union(n, parts, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((2, 5, 8)), rng.standard_normal((2, n, 8)), rng.standard_normal((2, n, 4)) * 3
+    owner = rng.integers(0, parts, size=n)   # each key in one part; a part may be empty
+    outs, lses = [], []
+    for p in range(parts):
+        keys = owner == p
+        o, lse = reference.attention(q, k[:, keys], v[:, keys], return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    out, lse = reference.merge_attention(outs, lses)
+    want, want_lse = reference.attention(q, k, v, return_lse=True)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+    out2, lse2 = reference.merge_attention(np.stack(outs), np.stack(lses))   # one array of parts
+    np.testing.assert_array_equal(out2, out)
+
+
+def test_merge_of_rows_without_keys():
+    outs = np.zeros((2, 3, 4))
+    lses = np.full((2, 3), -np.inf)
+    lses[1, 2] = 0.5
+    outs[1, 2] = 7.0
+    out, lse = reference.merge_attention(outs, lses)
+    assert (out[:2] == 0).all() and (lse[:2] == -np.inf).all()
+    np.testing.assert_allclose(out[2], 7.0)
+    assert lse[2] == 0.5

@@ -23,6 +23,7 @@ SCRIPTS = [
     ("examples/jax_interop.py", []),
     ("bench/bench_attention.py", ["--out", "{tmp}"]),
     ("bench/model_shapes.py", ["--out", "{tmp}"]),
+    ("bench/decode.py", ["--out", "{tmp}"]),
     ("bench/float32_accuracy.py", []),
     ("bench/host_overhead.py", []),
     ("bench/profile_case.py", []),

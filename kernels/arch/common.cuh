@@ -73,12 +73,14 @@ template <class T> __device__ __forceinline__ u32 pack2(float lo, float hi);
 template <> __device__ __forceinline__ u32 pack2<f16>(float lo, float hi) { return pack_f16x2(lo, hi); }
 template <> __device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) { return pack_bf16x2(lo, hi); }
 
-// Stores two adjacent output elements (the address is aligned to the pair).
+// Stores two adjacent output elements (the address is aligned to the pair), or one.
 template <class T> struct Store {
     __device__ __forceinline__ static void pair(u16* p, float x, float y) { *reinterpret_cast<u32*>(p) = pack2<T>(x, y); }
+    __device__ __forceinline__ static void one(u16* p, float x) { *p = u16(pack2<T>(x, 0.f)); }
 };
 template <> struct Store<f32> {
     __device__ __forceinline__ static void pair(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+    __device__ __forceinline__ static void one(float* p, float x) { *p = x; }
 };
 
 // Loads one element as float.
@@ -135,6 +137,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
 

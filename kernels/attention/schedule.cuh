@@ -18,7 +18,10 @@
 
 namespace cuflash {
 
-constexpr int SCHEDULE_THREADS = 1024;
+#ifndef CUFLASH_SCHEDULE_THREADS
+#error "CUFLASH_SCHEDULE_THREADS comes from cuflash/_params.py (cuflash/_compile.py passes it)"
+#endif
+constexpr int SCHEDULE_THREADS = CUFLASH_SCHEDULE_THREADS;
 constexpr int SCHEDULE_BUCKETS = 1024;   // of 64 streamed rows each; the last takes all longer
 constexpr int SCHEDULE_BUCKET_ROWS = 64;
 

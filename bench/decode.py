@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""Decoding against a KV cache: cuflash.attention_kvcache against SDPA's FLASH and cuDNN backends.
+
+    python bench/decode.py --out DIR            # the whole grid, the paged caches, the loop
+    python bench/decode.py --out DIR --quick    # fp16, D 128, a few cells
+
+Cells: fp16 and bf16, D in {64, 128}, B in {1, 8, 64}, Hq:Hkv in {32:32, 32:8, 64:8},
+Nk in {4K, 32K, 128K} keys already cached, Nq in {1, 4} new query rows; cells whose K and V
+pass 40 GB are skipped. Bandwidth: the bytes of K and V read once / time, in TB/s (CUDA-event
+medians of one synchronized call per sample, as the other benchmarks, and of calls queued back
+to back: the first counts the host's time per call, the second the kernels'). cuflash reads
+q as (B, Hkv, G, Nq, D) against (B, Hkv, 1, Nk, D) caches; SDPA gets (B, Hq, Nq, D) against
+(B, Hkv, Nk, D) with enable_gqa. With Nq = 4 cuflash's rows are causal (bottom-right: the
+new rows see the cache and the new rows before them); SDPA's is_causal aligns to the top-left
+corner, which would skip the cache, so the rivals run those cells without a mask: the same
+bytes, 6 of Nk * 4 scores apart. cuflash also runs on the same keys in pages of 16, 64 and
+256 rows, placed in a shuffled order. Then a loop of 256 decoding steps, each appending one
+key to every sequence (device lengths, check=False), timed end to end: eagerly, and as one
+CUDA graph. Writes results.json and decode.png; prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import cuflash  # noqa: E402
+import bench_attention  # noqa: E402
+from bench_attention import TORCH_BACKENDS, log, median_ms, torch  # noqa: E402
+
+try:
+    import cupy
+    import ml_dtypes  # noqa: F401
+except ImportError:
+    cupy = None
+
+MAX_CACHE_BYTES = 40 * 10**9
+PAGE_SIZES = (16, 64, 256)
+LOOP_STEPS = 256
+GRID = {
+    "dtype": ("float16", "bfloat16"), "D": (64, 128), "B": (1, 8, 64),
+    "heads": ((32, 32), (32, 8), (64, 8)), "Nk": (4096, 32768, 131072), "Nq": (1, 4),
+}
+QUICK = {"dtype": ("float16",), "D": (128,), "B": (1, 8), "heads": ((32, 8),), "Nk": (32768,), "Nq": (1, 4)}
+
+
+def queued_ms(fn, calls: int = 10, repeat: int = 3) -> float:
+    """Median over `repeat` samples of `calls` calls queued back to back, per call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
+    return float(np.median(times))
+
+
+def timings(fn, repeat: int) -> dict:
+    return {"call_ms": median_ms(lambda: fn(), [()], repeat), "queued_ms": queued_ms(fn)}
+
+
+def draw(shape, dtype, rng):
+    return rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+
+
+def paged_copy(k, page_size, rng):
+    """k (B, Hkv, 1, Nk, D) as pages (P, Hkv, 1, page_size, D) in a shuffled order, and the table."""
+    b, hkv, _, nk, d = k.shape
+    per_seq = nk // page_size
+    order = cupy.asarray(np.random.default_rng(page_size).permutation(b * per_seq).astype(np.int32))
+    pages = cupy.empty((b * per_seq, hkv, 1, page_size, d), dtype=k.dtype)
+    pages[order] = k.reshape(b, hkv, 1, per_seq, page_size, d).transpose(0, 3, 1, 2, 4, 5).reshape(pages.shape)
+    return pages, order.reshape(b, per_seq)
+
+
+def run_cell(dtype, d, b, hq, hkv, nk, nq, repeat) -> dict | None:
+    kv_bytes = 2 * b * hkv * nk * d * 2
+    if kv_bytes > MAX_CACHE_BYTES:
+        return None
+    rng = cupy.random.default_rng(nk + b)
+    g = hq // hkv
+    q = draw((b, hkv, g, nq, d), dtype, rng)
+    k, v = draw((b, hkv, 1, nk, d), dtype, rng), draw((b, hkv, 1, nk, d), dtype, rng)
+    row = {"dtype": dtype, "D": d, "B": b, "Hq": hq, "Hkv": hkv, "Nk": nk, "Nq": nq, "bytes": kv_bytes, "ms": {}}
+    causal = nq > 1
+    row["ms"]["cuflash"] = timings(lambda: cuflash.attention_kvcache(q, k, v, causal=causal, check=False), repeat)
+    if torch is not None:
+        tq = torch.from_dlpack(q.reshape(b, hq, nq, d))
+        tk, tv = torch.from_dlpack(k.reshape(b, hkv, nk, d)), torch.from_dlpack(v.reshape(b, hkv, nk, d))
+        for name, backend in TORCH_BACKENDS.items():
+            try:
+                with bench_attention.sdpa_kernel(backend):
+                    fn = lambda: bench_attention.sdpa(tq, tk, tv, enable_gqa=g > 1)  # noqa: E731 (see the docstring)
+                    row["ms"][name] = timings(fn, repeat)
+            except RuntimeError as err:   # a backend without a kernel for the shape
+                log(f"  {name}: {str(err).splitlines()[0]}")
+        del tq, tk, tv
+    seqlens = cupy.full((b,), nk, dtype=cupy.int32)
+    for page_size in PAGE_SIZES:
+        if 2 * kv_bytes > MAX_CACHE_BYTES:   # the paged copy beside the contiguous cache
+            continue
+        kp, table = paged_copy(k, page_size, rng)
+        vp, _ = paged_copy(v, page_size, rng)
+        fn = lambda: cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,  # noqa: E731
+                                               causal=causal, check=False)
+        row["ms"][f"cuflash paged {page_size}"] = timings(fn, repeat)
+        del kp, vp, table
+    del q, k, v
+    free()
+    return row
+
+
+def run_loop(dtype, d, b, hq, hkv, nk) -> dict:
+    """LOOP_STEPS decoding steps with one appended key each, from nk - LOOP_STEPS cached keys."""
+    rng = cupy.random.default_rng(7)
+    g = hq // hkv
+    k, v = draw((b, hkv, 1, nk, d), dtype, rng), draw((b, hkv, 1, nk, d), dtype, rng)
+    q = draw((LOOP_STEPS, b, hkv, g, 1, d), dtype, rng)
+    kn, vn = draw((LOOP_STEPS, b, hkv, 1, 1, d), dtype, rng), draw((LOOP_STEPS, b, hkv, 1, 1, d), dtype, rng)
+    lengths = [cupy.full((b,), nk - LOOP_STEPS + i, dtype=cupy.int32) for i in range(LOOP_STEPS)]
+
+    def steps():
+        return [cuflash.attention_kvcache(q[i], k, v, k_new=kn[i], v_new=vn[i], cache_seqlens=lengths[i], check=False)
+                for i in range(LOOP_STEPS)]
+
+    steps()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    steps()
+    stop.record()
+    stop.synchronize()
+    eager = cupy.cuda.get_elapsed_time(start, stop)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        steps()
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+        start.record(stream)
+        graph.launch()
+        stop.record(stream)
+        stop.synchronize()
+    replay = cupy.cuda.get_elapsed_time(start, stop)
+    result = {"dtype": dtype, "D": d, "B": b, "Hq": hq, "Hkv": hkv, "Nk": nk, "steps": LOOP_STEPS,
+              "eager_ms": eager, "graph_ms": replay}
+    del k, v, q, kn, vn, graph
+    free()
+    return result
+
+
+def free():
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def tbps(row, name, kind):
+    t = row["ms"].get(name)
+    return row["bytes"] / t[kind] / 1e9 if t else float("nan")
+
+
+def print_tables(rows, loops):
+    names = list(dict.fromkeys(n for r in rows for n in r["ms"]))
+    for kind, title in (("call_ms", "one synchronized call per sample"), ("queued_ms", "calls queued back to back")):
+        print(f"\nTB/s of K and V read once, {title}")
+        print("| dtype | D | B | Hq:Hkv | Nk | Nq | " + " | ".join(names) + " | / cuDNN |")
+        print("|---" * (7 + len(names)) + "|")
+        for r in rows:
+            cells = [tbps(r, n, kind) for n in names]
+            ratio = tbps(r, "cuflash", kind) / tbps(r, "torch-cudnn", kind)
+            print(f"| {r['dtype']} | {r['D']} | {r['B']} | {r['Hq']}:{r['Hkv']} | {r['Nk']} | {r['Nq']} | "
+                  + " | ".join(f"{c:.2f}" for c in cells) + f" | {ratio:.2f} |")
+    if loops:
+        print(f"\n{LOOP_STEPS} decoding steps with appends, end to end (ms)")
+        print("| dtype | D | B | Hq:Hkv | Nk | eager | one CUDA graph |")
+        print("|---|---|---|---|---|---|---|")
+        for r in loops:
+            print(f"| {r['dtype']} | {r['D']} | {r['B']} | {r['Hq']}:{r['Hkv']} | {r['Nk']} | "
+                  f"{r['eager_ms']:.2f} | {r['graph_ms']:.2f} |")
+
+
+def draw_chart(rows, out):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no chart")
+        return
+    names = list(dict.fromkeys(n for r in rows for n in r["ms"]))
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.5), 4.5))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(rows))], [tbps(r, name, "queued_ms") for r in rows], width, label=name)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['dtype'][:4]} D{r['D']} B{r['B']} {r['Hq']}:{r['Hkv']} {r['Nk'] // 1024}K q{r['Nq']}"
+                        for r in rows], rotation=90, fontsize=6)
+    ax.set_ylabel("TB/s (K and V read once), calls queued")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "decode.png"), dpi=130)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--no-loop", action="store_true")
+    args = ap.parse_args()
+    try:
+        cuflash.require_gpu()
+    except RuntimeError as err:
+        sys.exit(f"decode.py: {err}")
+    grid = QUICK if args.quick else GRID
+    os.makedirs(args.out, exist_ok=True)
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    meta = {
+        "device": props["name"].decode(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cupy": cupy.__version__, "torch": torch.__version__ if torch is not None else None,
+        "cudnn": torch.backends.cudnn.version() if torch is not None else None,
+        "python": platform.python_version(), "repeat": args.repeat,
+    }
+    rows, loops = [], []
+
+    def save():
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "loops": loops}, f, indent=1)
+
+    for dtype, d, b, (hq, hkv), nk, nq in itertools.product(*grid.values()):
+        log(f"{dtype} D={d} B={b} {hq}:{hkv} Nk={nk} Nq={nq}")
+        row = run_cell(dtype, d, b, hq, hkv, nk, nq, args.repeat)
+        if row is not None:
+            rows.append(row)
+            save()
+    if not args.no_loop:
+        for b, (hq, hkv) in ((1, (32, 8)), (8, (32, 8)), (64, (32, 8))):
+            loops.append(run_loop("float16", 128, b, hq, hkv, 4096))
+            save()
+    draw_chart(rows, args.out)
+    print(f"{meta['device']}, {meta['date']}, torch {meta['torch']}, cuDNN {meta['cudnn']}, CuPy {meta['cupy']}")
+    print_tables(rows, loops)
+
+
+if __name__ == "__main__":
+    main()

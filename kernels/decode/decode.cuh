@@ -1,0 +1,295 @@
+// decode.cuh: attention of a few query rows per sequence against a KV cache
+// (cuflash.attention_kvcache), and the append that writes new keys into it.
+//
+// Decoding reads the whole cache for a handful of rows, so the kernel is built to
+// stream K and V: a block takes one sequence, one K/V entry (head) and one split of
+// its keys; the query rows that share the entry (the group's heads times the new
+// rows) are packed into one tile of 16 * M_TILES rows, so each key is read once per
+// entry. K and V blocks of 64 keys stream through a multi-stage cp.async pipeline;
+// each of the four warps takes 16 of a block's keys for all the rows, with its own
+// online softmax, and the warps' partial results are merged at the end. With
+// several splits each block writes a float32 partial (out, lse) that
+// combine_splits merges by logsumexp.
+#pragma once
+
+namespace cuflash {
+
+struct DecodeParams {
+    const void* q;            // (B, E, G * nq, d): rows contiguous per (b, e)
+    const void* k;            // (B or pages, E, rows, d), strided
+    const void* v;
+    void* out;                // (B, E, G * nq, dv) contiguous
+    float* lse;               // (B, E, G * nq)
+    const int* seqlens;       // (B) keys already cached, or null: seqlen_all
+    const int* block_table;   // (B, max_pages), or null: contiguous cache
+    float* part_out;          // (splits, B * E * G * nq, dv), with splits > 1
+    float* part_lse;          // (splits, B * E * G * nq)
+    const void* k_new;        // (B, E, n_new, d) strided, for the append
+    const void* v_new;
+    index_t q_stride_b, q_stride_e, q_stride_row;
+    index_t k_stride_b, k_stride_e, k_stride_row;   // b: a sequence's cache, or a page
+    index_t v_stride_b, v_stride_e, v_stride_row;
+    index_t kn_stride_b, kn_stride_e, kn_stride_row;
+    index_t vn_stride_b, vn_stride_e, vn_stride_row;
+    index_t batch, entries, rows, nq, d, dv, n_new;
+    index_t seqlen_all;
+    index_t capacity;          // keys a sequence can hold: Nmax, or max_pages * page_size
+    index_t page_size, num_pages, max_pages;
+    index_t window_left, window_right;   // as AttnParams
+    double scale_log2;
+    index_t splits, split_keys;          // keys per split: a multiple of the key block
+
+    // Keys already in sequence b's cache, as given (possibly out of range).
+    __device__ __forceinline__ int cached(int b) const { return seqlens ? seqlens[b] : int(seqlen_all); }
+    // The keys sequence b attends once its new keys are in: clamped to the cache.
+    __device__ __forceinline__ int length(int b) const {
+        return int(min(max(index_t(cached(b)) + n_new, index_t(0)), capacity));
+    }
+    // Offsets of key j of sequence b in k and v (entry e), through the page table when paged.
+    __device__ __forceinline__ void key_offsets(int b, int e, int j, index_t& ok, index_t& ov) const {
+        index_t slot = b, row = j;
+        if (block_table) {
+            const int size = int(page_size);
+            const bool pow2 = (size & (size - 1)) == 0;   // the usual sizes: a shift and a mask, no division
+            const int index = pow2 ? j >> (__ffs(size) - 1) : j / size;
+            const int page = block_table[index_t(b) * max_pages + index];
+            slot = min(max(page, 0), int(num_pages) - 1);
+            row = pow2 ? j & (size - 1) : j % size;
+        }
+        ok = slot * k_stride_b + e * k_stride_e + row * k_stride_row;
+        ov = slot * v_stride_b + e * v_stride_e + row * v_stride_row;
+    }
+};
+
+#ifdef CUFLASH_DECODE_PARAMS_BYTES
+static_assert(sizeof(DecodeParams) == CUFLASH_DECODE_PARAMS_BYTES, "DecodeParams differs from cuflash/_params.py");
+#endif
+
+// k_new, v_new row i of (b, e) into the cache at key cached(b) + i; positions outside
+// [0, capacity) are dropped. One block per (b, e, i), threads over the head dim.
+template <class T>
+__global__ void __launch_bounds__(128) kvcache_append(const DecodeParams p) {
+    using Storage = typename T::storage;
+    const index_t n = index_t(blockIdx.x);
+    const int i = int(n % p.n_new), e = int(n / p.n_new % p.entries), b = int(n / (p.n_new * p.entries));
+    const index_t j = index_t(p.cached(b)) + i;
+    if (j < 0 || j >= p.capacity) return;
+    index_t ok, ov;
+    p.key_offsets(b, e, int(j), ok, ov);
+    const Storage* kn = static_cast<const Storage*>(p.k_new) + b * p.kn_stride_b + e * p.kn_stride_e + i * p.kn_stride_row;
+    const Storage* vn = static_cast<const Storage*>(p.v_new) + b * p.vn_stride_b + e * p.vn_stride_e + i * p.vn_stride_row;
+    Storage* k = static_cast<Storage*>(const_cast<void*>(p.k)) + ok;
+    Storage* v = static_cast<Storage*>(const_cast<void*>(p.v)) + ov;
+    for (int c = threadIdx.x; c < int(p.d); c += blockDim.x) k[c] = kn[c];
+    for (int c = threadIdx.x; c < int(p.dv); c += blockDim.x) v[c] = vn[c];
+}
+
+// Copies rows [0, ROWS) x cols [0, COLS) of a tile whose row r starts at row_ptr(r)
+// (rows >= rows_valid and cols >= cols_valid become zeros); all THREADS take part.
+template <class Tile, int THREADS, class Storage, class RowPtr>
+__device__ __forceinline__ void load_rows_async(u32 s_tile, RowPtr row_ptr, int rows_valid, int cols_valid) {
+    constexpr int TOTAL = Tile::ROWS_X_CHUNKS;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+        const int i = it * THREADS + int(threadIdx.x);
+        if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+        const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS;
+        const bool valid = r < rows_valid && c * Tile::ELEMS_PER_CHUNK < cols_valid;
+        const Storage* src = valid ? row_ptr(r) + c * Tile::ELEMS_PER_CHUNK : row_ptr(0);
+        cp_async_16(s_tile + Tile::chunk_offset(r, c), src, valid);
+    }
+}
+
+// The decoding kernel's block: four warps, 64 keys per pipeline stage (16 per warp).
+struct DecodeTiles {
+    static constexpr int WARPS = 4;
+    static constexpr int BLOCK_N = 16 * WARPS;
+};
+
+// grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it
+template <class T, int HEAD_DIM, int M_TILES, int STAGES>
+__global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const DecodeParams p) {
+    using Storage = typename T::storage;
+    constexpr int ROWS = 16 * M_TILES, THREADS = DecodeTiles::WARPS * 32, D_TILES = HEAD_DIM / 8;
+    using QTile = SmemTile<Storage, ROWS, HEAD_DIM>;
+    using KVTile = SmemTile<Storage, DecodeTiles::BLOCK_N, HEAD_DIM>;
+    using SubTile = SmemTile<Storage, 16, HEAD_DIM>;   // one warp's 16 keys of a K or V block
+    constexpr u32 SUB_BYTES = SubTile::BYTES;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int be = blockIdx.x, split = blockIdx.y, b = be / int(p.entries), e = be % int(p.entries);
+    const int row0 = blockIdx.z * ROWS, rows = min(ROWS, int(p.rows) - row0);
+    const int nq = int(p.nq), d = int(p.d), dv = int(p.dv), warp = threadIdx.x / 32;
+    const int nk = p.length(b);
+    const int k_begin = split * int(p.split_keys), k_end = min(nk, k_begin + int(p.split_keys));
+
+    const u32 s_q = smem_address(smem);
+    const u32 s_k = s_q + QTile::BYTES;                // + stage * KVTile::BYTES
+    const u32 s_v = s_k + STAGES * KVTile::BYTES;
+    const auto* g_q = static_cast<const Storage*>(p.q) + b * p.q_stride_b + e * p.q_stride_e;
+    const auto* g_k = static_cast<const Storage*>(p.k);
+    const auto* g_v = static_cast<const Storage*>(p.v);
+
+    // Keys [lo, hi) that some row of the block may see: the band of its new rows
+    const int off = nk - nq;
+    const int r_first = row0 % nq, r_last = (row0 + rows - 1) % nq;
+    const bool every_row = rows >= nq || r_first > r_last;   // the block's rows cover (or wrap past) all nq
+    const int q_lo = every_row ? 0 : r_first, q_hi = every_row ? nq - 1 : r_last;
+    const int lo = max(k_begin, int(max(index_t(0), q_lo + off - p.window_left)));
+    const int hi = min(k_end, int(min(index_t(nk), q_hi + off + p.window_right + 1)));
+    const int nb_begin = lo / DecodeTiles::BLOCK_N, nb_end = hi > lo ? ceil_div(hi, DecodeTiles::BLOCK_N) : nb_begin;
+
+    // How a block's keys map to memory: a block in one page (pages of whole blocks, and
+    // always a contiguous cache) is one strided run found with one table read; with pages
+    // of whole 16-row runs, each warp's 16 keys are one; otherwise every row is looked up.
+    const bool whole_blocks = p.block_table == nullptr || p.page_size % DecodeTiles::BLOCK_N == 0;
+    const bool whole_runs = HEAD_DIM <= 128 && p.page_size % 16 == 0;   // (wider: its offsets would spill)
+    auto load_kv = [&](int nb, int stage) {
+        const int n0 = nb * DecodeTiles::BLOCK_N, valid = min(DecodeTiles::BLOCK_N, nk - n0);
+        const u32 s_kb = s_k + stage * KVTile::BYTES, s_vb = s_v + stage * KVTile::BYTES;
+        if (whole_blocks) {
+            index_t ok, ov;
+            p.key_offsets(b, e, n0, ok, ov);
+            load_tile_async<KVTile, THREADS>(s_kb, g_k + ok, p.k_stride_row, valid, d);
+            load_tile_async<KVTile, THREADS>(s_vb, g_v + ov, p.v_stride_row, valid, dv);
+        } else if (whole_runs) {
+#pragma unroll
+            for (int w = 0; w < DecodeTiles::WARPS; ++w) {
+                index_t ok, ov;   // (a run past the last key is all zeros: its first row clamped to one that exists)
+                p.key_offsets(b, e, min(n0 + w * 16, nk - 1), ok, ov);
+                load_tile_async<SubTile, THREADS>(s_kb + w * SUB_BYTES, g_k + ok, p.k_stride_row, valid - w * 16, d);
+                load_tile_async<SubTile, THREADS>(s_vb + w * SUB_BYTES, g_v + ov, p.v_stride_row, valid - w * 16, dv);
+            }
+        } else {
+            auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
+            auto v_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_v + ov; };
+            load_rows_async<KVTile, THREADS, Storage>(s_kb, k_row, valid, d);
+            load_rows_async<KVTile, THREADS, Storage>(s_vb, v_row, valid, dv);
+        }
+    };
+    // the loads of step i (i < 0: the prologue's), one cp.async group each
+    auto load_step = [&](int i) {
+        const int nb = nb_begin + i + STAGES - 1;
+        if (nb < nb_end) load_kv(nb, (i + STAGES - 1) % STAGES);
+        cp_async_commit();
+    };
+
+    float acc[M_TILES][D_TILES][4];
+    fill_zero(acc);
+    OnlineSoftmax<T, M_TILES> softmax(p.scale_log2);
+    const float scale_log2 = float(p.scale_log2);
+
+    if (nb_begin < nb_end) {
+        load_rows_async<QTile, THREADS, Storage>(
+            s_q, [&](int r) { return g_q + (row0 + r) * p.q_stride_row; }, rows, d);
+#pragma unroll
+        for (int i = 1 - STAGES; i < 0; ++i) load_step(i);
+    }
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+        const int i = nb - nb_begin, stage = i % STAGES;
+        cp_async_wait<STAGES - 2>();   // block i (and Q) have landed
+        __syncthreads();               // ... everywhere, and step i-1 is done with its stage
+        load_step(i);
+
+        typename T::dot_sum s[M_TILES][2][4];
+        fill_zero(s);
+        const u32 s_k_warp = s_k + stage * KVTile::BYTES + warp * SUB_BYTES;
+        // (rolled over the head dim where the accumulators are large: hoisted loads would spill)
+        constexpr int QK_UNROLL = M_TILES * D_TILES * 4 >= 128 ? 1 : T::K_UNROLL;
+        mma_rows_rows<T, QTile, SubTile, HEAD_DIM, QK_UNROLL>(s, s_q, 0, s_k_warp);
+        // the band per row: row r of the block is new row (row0 + r) % nq
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+        const int key0 = nb * DecodeTiles::BLOCK_N + warp * 16;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int r = mt * 16 + g + 8 * (x >> 1), j = key0 + nt * 8 + 2 * t + (x & 1);
+                    const int qi = (row0 + r) % nq;
+                    const bool seen = r < rows && j >= k_begin && j < k_end && j <= qi + off + p.window_right &&
+                                      index_t(j) >= qi + off - p.window_left;
+                    if (!seen) s[mt][nt][x] = -CUFLASH_INF;
+                }
+        softmax.template update<true>(s, acc, scale_log2);
+        mma_regs_cols<T, SubTile>(acc, s, s_v + stage * KVTile::BYTES + warp * SUB_BYTES, 0);
+    }
+    cp_async_wait<0>();
+    __syncthreads();   // the K/V stages are free: the warps' merge reuses them
+
+    // Merge the warps' (m, l, acc) per row through shared memory: each warp's
+    // weight is exp2((m_w - m) * scale_log2) against the row's best m.
+    float* s_m = reinterpret_cast<float*>(smem + QTile::BYTES);          // [warp][ROWS]
+    float* s_l = s_m + DecodeTiles::WARPS * ROWS;                               // [warp][ROWS]
+    float* s_acc = s_l + DecodeTiles::WARPS * ROWS;                             // [warp][ROWS][HEAD_DIM]
+    {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = mt * 16 + g + 8 * h;
+                const float l = quad_sum(softmax.l[mt][h]);
+                if (t == 0) {
+                    s_m[warp * ROWS + r] = softmax.m[mt][h];
+                    s_l[warp * ROWS + r] = l;
+                }
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; ++dt) {
+                    s_acc[(warp * ROWS + r) * HEAD_DIM + dt * 8 + 2 * t] = acc[mt][dt][2 * h];
+                    s_acc[(warp * ROWS + r) * HEAD_DIM + dt * 8 + 2 * t + 1] = acc[mt][dt][2 * h + 1];
+                }
+            }
+    }
+    __syncthreads();
+    const bool parts = p.splits > 1;
+    const index_t out_row0 = index_t(be) * p.rows + row0;
+    for (int r = warp; r < rows; r += DecodeTiles::WARPS) {
+        // the row's reference m: the best (largest scaled) m among the warps that saw a key
+        // (l != 0: positive, or NaN from NaN inputs, which then stays NaN)
+        float best = -CUFLASH_INF;
+        bool any = false;
+#pragma unroll
+        for (int w = 0; w < DecodeTiles::WARPS; ++w) {
+            const float m = s_m[w * ROWS + r];
+            if (s_l[w * ROWS + r] != 0.f) {
+                best = !any ? m : (scale_log2 >= 0.f ? fmaxf(best, m) : fminf(best, m));
+                any = true;
+            }
+        }
+        float weight[DecodeTiles::WARPS], total = 0.f;
+#pragma unroll
+        for (int w = 0; w < DecodeTiles::WARPS; ++w) {
+            const float m = s_m[w * ROWS + r], l = s_l[w * ROWS + r];
+            weight[w] = l != 0.f ? exp2_p<T>(softmax.template exponent<0>(m - best, scale_log2)) : 0.f;
+            total += weight[w] * l;
+        }
+        const float inv = total == 0.f ? 0.f : 1.f / total;
+        const float lse2 = fmaf(OnlineSoftmax<T, M_TILES>::base_of(best), scale_log2, float(T::P_SHIFT)) + log2f(total);
+        const float row_lse = total == 0.f ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
+        for (int c = threadIdx.x % 32; c < dv; c += 32) {
+            float o = 0.f;
+#pragma unroll
+            for (int w = 0; w < DecodeTiles::WARPS; ++w) o += weight[w] * s_acc[(w * ROWS + r) * HEAD_DIM + c];
+            o *= inv;
+            if (parts) p.part_out[(index_t(split) * p.batch * p.entries * p.rows + out_row0 + r) * dv + c] = o;
+            else Store<T>::one(static_cast<Storage*>(p.out) + (out_row0 + r) * dv + c, saturate<T>(o));
+        }
+        if (threadIdx.x % 32 == 0) {
+            if (parts) p.part_lse[index_t(split) * p.batch * p.entries * p.rows + out_row0 + r] = row_lse;
+            else p.lse[out_row0 + r] = row_lse;
+        }
+    }
+}
+
+// The splits' float32 partials merged by logsumexp into out (T) and lse: one block per row.
+template <class T>
+__global__ void __launch_bounds__(MergeTiles::WARPS * 32) combine_splits(const DecodeParams p) {
+    const index_t rows = p.batch * p.entries * p.rows, row = blockIdx.x;
+    merge_row<T>(int(p.splits), int(p.dv), row,
+                 [&](int s) { return p.part_lse[s * rows + row]; },
+                 [&](int s, int c) { return p.part_out[(s * rows + row) * p.dv + c]; }, p.out, p.lse);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,188 @@
+"""cuflash.attention_kvcache on the GPU against the float64 reference (docs/contract.md: KV cache)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import GPU_MISSING, assert_close_to_reference, assert_lse_close, poisoned_allocations, random_array, requires_gpu
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = requires_gpu
+
+if GPU_MISSING is None:
+    import cupy
+    import ml_dtypes  # noqa: F401
+
+    import cuflash
+    from cuflash import naive, reference
+
+
+def _cache_problem(rng, dtype, batch, hkv, group, nq, d, dv, paged, page_size, lengths, n_new):
+    """q (B, Hkv, G, Nq, D), caches (contiguous or paged, with spare room), new keys, table."""
+    q = random_array(rng, (batch, hkv, group, nq, d), dtype, 2.0)
+    capacity = max(lengths) + n_new + int(rng.integers(0, 40))
+    if paged:
+        pages_per_seq = -(-capacity // page_size)
+        num_pages = batch * pages_per_seq + 3
+        table = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq).astype(np.int32)
+        k = random_array(rng, (num_pages, hkv, 1, page_size, d), dtype)
+        v = random_array(rng, (num_pages, hkv, 1, page_size, dv), dtype)
+    else:
+        table = None
+        k = random_array(rng, (batch, hkv, 1, capacity, d), dtype)
+        v = random_array(rng, (batch, hkv, 1, capacity, dv), dtype)
+    news = (None, None)
+    if n_new:
+        news = (random_array(rng, (batch, hkv, 1, n_new, d), dtype), random_array(rng, (batch, hkv, 1, n_new, dv), dtype))
+    return q, k, v, news, table
+
+
+def _naive(q, k_cache, v_cache, table, lengths, mask):
+    """Attention per sequence in the inputs' dtype over its gathered keys (cuflash.naive)."""
+    outs = []
+    for b, n in enumerate(lengths):
+        if n == 0:   # no key: out 0
+            outs.append(cupy.zeros(q.shape[1:-1] + (v_cache.shape[-1],), dtype=q.dtype))
+            continue
+        j = np.arange(int(n))
+        if table is None:
+            k, v = k_cache[b][..., j, :], v_cache[b][..., j, :]
+        else:
+            page, row = cupy.asarray(table[b, j // k_cache.shape[-2]]), cupy.asarray(j % k_cache.shape[-2])
+            k = cupy.moveaxis(k_cache[page, ..., row, :], 0, -2)
+            v = cupy.moveaxis(v_cache[page, ..., row, :], 0, -2)
+        outs.append(naive.attention(q[b], k, v, **mask))
+    return cupy.stack(outs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(("float16", "bfloat16", "float32")),
+    batch=st.integers(1, 4),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from((1, 2, 4, 5)),
+    nq=st.sampled_from((1, 2, 3, 4, 20, 40)),   # 20, 40: row groups whose rows wrap past Nq
+    dims=st.sampled_from(((64, 64), (128, 128), (32, 64), (256, 256))),
+    paged=st.booleans(),
+    page_size=st.sampled_from((1, 7, 16, 64, 256)),
+    n_new=st.integers(0, 3),
+    mask=st.sampled_from(({}, {"causal": True}, {"window": (30, 0)})),
+    seqlens_as=st.sampled_from(("numpy", "cupy", "int")),
+    num_splits=st.sampled_from((None, 1, 3)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_kvcache_against_reference(dtype, batch, hkv, group, nq, dims, paged, page_size, n_new, mask, seqlens_as,
+                                   num_splits, seed):
+    """Ragged cache lengths (0 included, and full), appends, pages in a random order, masks,
+    GQA groups, new rows per sequence from 1 to more than a block's row group, forced splits: out and lse against the reference, the caches after the
+    append equal to the reference's, under the forward's accuracy criterion."""
+    d, dv = dims
+    if dtype == "float32" and d > 128:
+        d = dv = 128
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 300, size=batch)
+    lengths[rng.integers(0, batch)] = 0
+    if seqlens_as == "int":
+        lengths[:] = lengths[0]
+    q, k, v, (k_new, v_new), table = _cache_problem(rng, dtype, batch, hkv, group, nq, d, dv, paged, page_size,
+                                                    lengths.tolist(), n_new)
+    seqlens = {"numpy": lengths.astype(np.int32), "cupy": cupy.asarray(lengths, dtype=cupy.int32),
+               "int": int(lengths[0])}[seqlens_as]
+    host = {name: None if x is None else cupy.asnumpy(x) for name, x in
+            (("q", q), ("k", k), ("v", v), ("k_new", k_new), ("v_new", v_new))}
+    r_out, r_lse = reference.attention_kvcache(host["q"], host["k"], host["v"], k_new=host["k_new"],
+                                               v_new=host["v_new"], cache_seqlens=lengths, block_table=table,
+                                               return_lse=True, **mask)
+    with poisoned_allocations():
+        out, lse = cuflash.attention_kvcache(q, k, v, k_new=k_new, v_new=v_new, cache_seqlens=seqlens,
+                                             block_table=None if table is None else cupy.asarray(table),
+                                             num_splits=num_splits, return_lse=True, **mask)
+    assert np.array_equal(cupy.asnumpy(k), host["k"]) and np.array_equal(cupy.asnumpy(v), host["v"]), \
+        "the caches after the append differ from the reference's"
+    n = _naive(q, k, v, table, lengths + n_new, mask)
+    assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n), r_out, q.dtype, c=2)
+    assert_lse_close(cupy.asnumpy(lse), r_lse)
+
+
+@pytest.mark.parametrize("page_size", (16, 64, 256))
+def test_paged_equals_contiguous(page_size):
+    """The same keys in pages (in a shuffled order) and in one contiguous cache give the same result."""
+    rng = np.random.default_rng(page_size)
+    batch, hkv, group, d, lengths = 3, 2, 4, 128, [700, 1, 1200]
+    q = random_array(rng, (batch, hkv, group, 1, d), "bfloat16")
+    cap = -(-max(lengths) // page_size) * page_size
+    k = random_array(rng, (batch, hkv, 1, cap, d), "bfloat16")
+    v = random_array(rng, (batch, hkv, 1, cap, d), "bfloat16")
+    pages = cap // page_size
+    table = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
+    kp = cupy.empty((batch * pages, hkv, 1, page_size, d), dtype=k.dtype)
+    vp = cupy.empty_like(kp)
+    for b in range(batch):
+        for i in range(pages):
+            kp[int(table[b, i])] = k[b, :, :, i * page_size:(i + 1) * page_size]
+            vp[int(table[b, i])] = v[b, :, :, i * page_size:(i + 1) * page_size]
+    seqlens = cupy.asarray(lengths, dtype=cupy.int32)
+    a = cuflash.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1)
+    b = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=cupy.asarray(table), num_splits=1)
+    assert np.array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+
+
+def test_refused_call_writes_nothing():
+    """check=True: a sequence that would run past its cache, or a page outside it, raises
+    before anything is written."""
+    rng = np.random.default_rng(5)
+    q = random_array(rng, (2, 2, 1, 1, 64), "float16")
+    k, v = (random_array(rng, (2, 2, 1, 32, 64), "float16") for _ in range(2))
+    kn, vn = (random_array(rng, (2, 2, 1, 2, 64), "float16") for _ in range(2))
+    before = cupy.asnumpy(k), cupy.asnumpy(v)
+    with pytest.raises(ValueError, match="run past its cache"):
+        cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=cupy.asarray([3, 31], dtype=cupy.int32))
+    with pytest.raises(ValueError, match="not a page"):
+        cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=[3, 4],
+                                  block_table=np.array([[0], [2]], dtype=np.int32))
+    assert np.array_equal(cupy.asnumpy(k), before[0]) and np.array_equal(cupy.asnumpy(v), before[1])
+
+
+def test_bad_lengths_without_check_stay_inside_the_arrays():
+    """check=False with lengths past the cache and negative ones, and pages outside it:
+    clamped, with every output finite (the sanitizer cases run the same under memcheck)."""
+    rng = np.random.default_rng(6)
+    q = random_array(rng, (3, 2, 2, 1, 64), "bfloat16")
+    k, v = (random_array(rng, (4, 2, 1, 16, 64), "bfloat16") for _ in range(2))
+    kn, vn = (random_array(rng, (3, 2, 1, 3, 64), "bfloat16") for _ in range(2))
+    seqlens = cupy.asarray([-5, 1000, 20], dtype=cupy.int32)
+    table = cupy.asarray([[0, 9], [-3, 1], [2, 3]], dtype=cupy.int32)
+    out = cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=seqlens, block_table=table,
+                                    check=False)
+    cupy.cuda.Device().synchronize()
+    assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
+
+
+def test_decoding_loop_in_a_cuda_graph():
+    """256 steps of decoding with appends (check=False, device lengths) captured in one CUDA
+    graph, replayed, against the same steps run eagerly on a copy of the cache."""
+    rng = np.random.default_rng(7)
+    batch, hkv, group, d, steps = 2, 2, 4, 64, 256
+    k = random_array(rng, (batch, hkv, 1, 512, d), "float16")
+    v = random_array(rng, (batch, hkv, 1, 512, d), "float16")
+    q = random_array(rng, (steps, batch, hkv, group, 1, d), "float16")
+    kn = random_array(rng, (steps, batch, hkv, 1, 1, d), "float16")
+    vn = random_array(rng, (steps, batch, hkv, 1, 1, d), "float16")
+    start = cupy.asarray([100, 3], dtype=cupy.int32)
+    k2, v2 = k.copy(), v.copy()
+    eager = [cuflash.attention_kvcache(q[i], k2, v2, k_new=kn[i], v_new=vn[i], cache_seqlens=start + i, check=False)
+             for i in range(steps)]
+    seqlens = [start + i for i in range(steps)]   # allocated before the capture
+    cuflash.attention_kvcache(q[0], k.copy(), v.copy(), k_new=kn[0], v_new=vn[0], cache_seqlens=start, check=False)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        outs = [cuflash.attention_kvcache(q[i], k, v, k_new=kn[i], v_new=vn[i], cache_seqlens=seqlens[i], check=False)
+                for i in range(steps)]
+        graph = stream.end_capture()
+        graph.launch()
+    stream.synchronize()
+    assert np.array_equal(cupy.asnumpy(k), cupy.asnumpy(k2))
+    for a, b in zip(outs, eager):
+        assert np.array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
