@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from . import _checks, _dispatch, _plans
+
+_CURRENT = contextlib.nullcontext()
+
+
+def _on_device(cupy, device: int):
+    """A context that makes ``device`` current: nothing to enter when it already is (the
+    common case, and a cost on every call otherwise)."""
+    return _CURRENT if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device)
 
 
 def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
@@ -15,7 +25,12 @@ def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
 
 def _tile_lists(cupy, launches):
     """Fresh tile lists for a call over packed sequences, by their index in the arrays."""
+    if not launches.tile_lists:
+        return _NO_LISTS
     return {index: cupy.empty((capacity, 2), dtype=cupy.int32) for index, capacity in launches.tile_lists}
+
+
+_NO_LISTS: dict = {}   # (read only)
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
@@ -83,7 +98,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed)
     cupy = _checks.require_cupy()
-    with cupy.cuda.Device(plan.device):
+    with _on_device(cupy, plan.device):
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
         lse = cupy.empty(plan.shapes[1], dtype=cupy.float32)
         lists = _tile_lists(cupy, plan.launches)
@@ -131,7 +146,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     cupy = _checks.require_cupy()
     # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
     alloc = cupy.empty if plan.launches.runs else cupy.zeros
-    with cupy.cuda.Device(plan.device):
+    with _on_device(cupy, plan.device):
         dq, dk, dv = (alloc(shape, dtype=q.dtype) for shape in plan.shapes[:3])
         if plan.launches.runs:
             delta = cupy.empty(plan.shapes[3], dtype=cupy.float32)
@@ -216,7 +231,7 @@ def merge_attention(outs, lses):
     """
     cupy = _checks.require_cupy()
     outs, lses = _checks.merge_inputs(cupy, outs, lses)
-    with cupy.cuda.Device(outs[0].device.id):
+    with _on_device(cupy, outs[0].device.id):
         out = cupy.empty(outs[0].shape, dtype=outs[0].dtype)
         lse = cupy.empty(lses[0].shape, dtype=cupy.float32)
         _dispatch.merge_launch(cupy, outs, lses, out, lse)
@@ -271,9 +286,6 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     plan, (q_, k_, v_, seqlens, table, k_new_, v_new_) = _plans.kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check)
     cupy = _checks.require_cupy()
-    if cupy.cuda.runtime.getDevice() == plan.device:
+    with _on_device(cupy, plan.device):
         out, lse = plan.launches.run(cupy, q_.dtype, q_, k_, v_, seqlens, table, k_new_, v_new_)
-    else:
-        with cupy.cuda.Device(plan.device):
-            out, lse = plan.launches.run(cupy, q_.dtype, q_, k_, v_, seqlens, table, k_new_, v_new_)
     return (out, lse) if return_lse else out

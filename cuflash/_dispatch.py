@@ -9,6 +9,7 @@ is a table row here, never a new kernel.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,7 +106,7 @@ class Sm90FwdTiles:
         return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
 
 
-def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, masked: bool = True) -> Sm90FwdTiles | None:
+def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90FwdTiles | None:
     """The Hopper forward tiles for (dtype, head-dim bucket), or None where the
     portable kernel runs instead (float32, head dims that are not whole 64-column panels).
 
@@ -113,17 +114,14 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, mask
     not known; short ones change the tiles, by measurement (bench/NOTES.md v10)."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
-    short = keys is not None and keys <= SHORT_KEYS
-    if short and head_dim == 64 and keys <= 128:
+    if head_dim == 64 and keys is not None and keys <= 128:
         # one warpgroup per block, three blocks per SM, each block running tiles in turn
         return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=3, multi_tile=True)
     # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage
-    # gained nothing, and 64-key blocks beat 128 at head dim 64; several tiles per
-    # block gain without a mask at head dim 128 (and lose under causal masks, whose
-    # tiles differ in work: the blocks' tiles are fixed in advance)
+    # gained nothing, and 64-key blocks beat 128 at head dim 64 (head dims 64 and 128
+    # run these only where hopper_fwd_tiles picks them over the loading-warpgroup kernel)
     block_n = 128 if head_dim == 128 else 64
-    multi = short and head_dim == 128 and not masked
-    return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2, multi_tile=multi)
+    return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2)
 
 
 @dataclass(frozen=True)
@@ -144,11 +142,32 @@ class Sm90WsFwdTiles:
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
-    measurement (bench/NOTES.md v11): head dim 128 with at most WS_KEYS keys per tile
-    (of each sequence; the mean over packed ones). None elsewhere."""
-    if dtype_name == "float32" or head_dim != 128 or keys is None or keys > WS_KEYS:
+    measurement (bench/NOTES.md v13): head dims 64 and 128, except head dim 64 with at most
+    128 keys per tile (of each sequence; the mean over packed ones), where blocks of one
+    warpgroup, three per SM, stay ahead. None elsewhere."""
+    if dtype_name == "float32" or head_dim not in (64, 128):
         return None
-    return Sm90WsFwdTiles(128, 128, stages=2)
+    if head_dim == 64 and keys is not None and keys <= 128:
+        return None
+    return Sm90WsFwdTiles(head_dim, 128, stages=2)
+
+
+def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None):
+    """The Hopper forward's kernel for a call: loading-warpgroup tiles (Sm90WsFwdTiles),
+    attn_fwd_sm90 tiles (Sm90FwdTiles), or None where the portable kernel runs."""
+    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys)
+    return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys)
+
+
+def hopper_fwd_name(dtype_name: str, tiles, packed: bool = False) -> str:
+    if isinstance(tiles, Sm90WsFwdTiles):
+        return sm90_ws_fwd_name(dtype_name, tiles, packed)
+    return sm90_fwd_name(dtype_name, tiles, packed)
+
+
+# Keys per tile on either side of where the Hopper forward's choice of kernel changes
+# (hopper_fwd_tiles), for the list of specializations
+HOPPER_FWD_KEYS = (128, 2048)
 
 
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
@@ -296,11 +315,10 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             for packed in (False, True):
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
-                    short = (sm90_fwd_tiles(dt, hd, keys, masked) for keys in (64, SHORT_KEYS) for masked in (0, 1))
-                    names.extend({sm90_fwd_name(dt, t, packed): None for t in (sm90, *short)})
-                    ws = sm90_ws_fwd_tiles(dt, hd, WS_KEYS)
-                    if ws is not None:
-                        names.append(sm90_ws_fwd_name(dt, ws, packed))
+                    for keys in HOPPER_FWD_KEYS:
+                        name = hopper_fwd_name(dt, hopper_fwd_tiles(dt, hd, keys), packed)
+                        if name not in names:
+                            names.append(name)
                     names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd), packed))
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
@@ -374,20 +392,34 @@ class Launch:
         object.__setattr__(self, "_record", _params.Record(self.params))
         object.__setattr__(self, "_function", self.fn.kernel.ptr)
         object.__setattr__(self, "_grid", tuple(self.grid) + (1,) * (3 - len(self.grid)))
+        pick = operator.itemgetter(*self.fields)
+        object.__setattr__(self, "_pick", pick if len(self.fields) > 1 else lambda arrays: (pick(arrays),))
 
     def run(self, arrays) -> None:
         """Launches on the current stream; ``arrays`` holds CuPy arrays, raw pointers (int)
         or None (a null pointer)."""
-        import cupy
-        from cupy_backends.cuda.api import driver
-
-        pointers = [0 if a is None else a if type(a) is int else a.data.ptr for a in (arrays[i] for i in self.fields)]
+        cupy, driver = _launch_modules()
+        pointers = [0 if a is None else a if type(a) is int else a.data.ptr for a in self._pick(arrays)]
         record, (gx, gy, gz) = self._record, self._grid
         stream = cupy.cuda.get_current_stream().ptr
         with record.lock:
             record.fill(pointers)
             driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
                                 record.kernel_params, 0)
+
+
+_modules: tuple = ()
+
+
+def _launch_modules():
+    """(cupy, CuPy's driver bindings), imported once: a launch is on every call's path."""
+    global _modules
+    if not _modules:
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        _modules = (cupy, driver)
+    return _modules
 
 
 @dataclass(frozen=True)
@@ -416,12 +448,6 @@ class Launches:
     # K/V entries, summed over `split` partial groups when split > 1; None: not grouped
     dkdv_entries: tuple[int, int, int] | None = None
 
-
-# Keys per tile up to which the Hopper forward runs a grid of at most what fits the GPU at
-# once, each block running several tiles (by measurement, bench/NOTES.md)
-SHORT_KEYS = 1024
-# ... and up to which the Hopper forward with a loading warpgroup runs at head dim 128
-WS_KEYS = 512
 
 _occupancy: dict = {}
 
@@ -485,16 +511,12 @@ def forward_launches(x) -> Launches:
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
-    masked = x.left is not None or x.right is not None
-    hopper = _compile.current_arch() == "sm_90a"
-    ws = sm90_ws_fwd_tiles(x.dtype_name, head_dim, keys) if hopper else None
-    sm90 = sm90_fwd_tiles(x.dtype_name, head_dim, keys, masked) if hopper and ws is None else None
-    if ws is not None:
-        smem, block_m, threads, cols = ws.smem_bytes(itemsize), ws.block_m, ws.threads, 1
-        fn = _compile.get_function(sm90_ws_fwd_name(x.dtype_name, ws, packed), smem)
-    elif sm90 is not None:
-        smem, block_m, threads, cols = sm90.smem_bytes(itemsize), sm90.block_m, sm90.threads, 1
-        fn = _compile.get_function(sm90_fwd_name(x.dtype_name, sm90, packed), smem)
+    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys) if _compile.current_arch() == "sm_90a" else None
+    ws = hopper if isinstance(hopper, Sm90WsFwdTiles) else None
+    sm90 = hopper if ws is None else None
+    if hopper is not None:
+        smem, block_m, threads, cols = hopper.smem_bytes(itemsize), hopper.block_m, hopper.threads, 1
+        fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed), smem)
     else:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed)
         smem, block_m, threads, cols = tiles.smem_bytes(itemsize), tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)

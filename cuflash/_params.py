@@ -8,6 +8,7 @@ kernel checks the size at compile time.
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -139,7 +140,7 @@ class Record:
     writes each call's data pointers into it; the driver copies it when the kernel is
     launched, so the next call can fill it again (under ``lock``, for threads)."""
 
-    __slots__ = ("buffer", "words", "dtype", "kernel_params", "pointer_words", "lock")
+    __slots__ = ("buffer", "words", "dtype", "kernel_params", "pointer_runs", "lock")
 
     def __init__(self, params: np.ndarray):
         self.buffer = np.zeros(params.nbytes // 8 + 1, dtype=np.uint64)
@@ -148,15 +149,18 @@ class Record:
         self.dtype = params.dtype
         self.kernel_params = int(self.buffer.ctypes.data)   # (void **) for cuLaunchKernel
         self.buffer[0] = self.kernel_params + 8
-        self.pointer_words = _POINTER_WORDS[params.dtype]
+        # each run of pointer words as (packer, byte offset in the buffer, first and last pointer)
+        self.pointer_runs, start = [], 0
+        for run in _POINTER_WORDS[params.dtype]:
+            count = run.stop - run.start
+            self.pointer_runs.append((struct.Struct(f"<{count}Q"), 8 * (1 + run.start), start, start + count))
+            start += count
         self.lock = threading.Lock()
 
     def fill(self, pointers) -> None:
         """Writes the data pointers (ints, 0 for none) into the record's pointer fields, in order."""
-        start = 0
-        for run in self.pointer_words:
-            self.words[run] = pointers[start:start + run.stop - run.start]
-            start += run.stop - run.start
+        for packer, offset, first, last in self.pointer_runs:
+            packer.pack_into(self.buffer, offset, *pointers[first:last])
 
     def view(self) -> np.void:
         """The record as its structured dtype (for inspection)."""

@@ -48,6 +48,11 @@ def _packed_key(packed):
     )
 
 
+def _array_key(a):
+    """An array's part of a signature (None for an absent one)."""
+    return None if a is None else (type(a), a.dtype, a.shape, a.strides, a.data.device_id, a.data.ptr % 16 == 0)
+
+
 def _signature(direction: str, arrays, causal, window, scale, packed=None):
     """The cache key of a call, or None when an argument cannot be part of one (the checks
     then say what is wrong with it)."""
@@ -62,9 +67,7 @@ def _signature(direction: str, arrays, causal, window, scale, packed=None):
             None if window is None else tuple((type(w), w) for w in window),
             type(scale), scale,
         )
-        key = (direction, mask, packed) + tuple(
-            (type(a), a.dtype, a.shape, a.strides, a.data.device_id, a.data.ptr % 16 == 0) for a in arrays
-        )
+        key = (direction, mask, packed, *map(_array_key, arrays))
         hash(key)
     except (AttributeError, TypeError):
         return None
@@ -147,10 +150,6 @@ def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None):
 class KVCachePlan:
     device: int
     launches: _dispatch.KVCacheLaunches
-
-
-def _array_key(a):
-    return None if a is None else (type(a), a.dtype, a.shape, a.strides, a.data.device_id, a.data.ptr % 16 == 0)
 
 
 def _kvcache_signature(arrays, cache_seqlens, block_table, causal, window, scale, num_splits, check):

@@ -56,18 +56,15 @@ def test_hopper_specializations_fit_shared_memory():
             assert (fwd is None) == (bwd is None) == (hd % 64 != 0 or hd == 192)
             if fwd is not None:
                 for packed in (False, True):
-                    assert _dispatch.sm90_fwd_name(dt, fwd, packed) in names
-                    for keys, masked in ((64, False), (64, True), (1000, False), (5000, True)):
-                        tiles = _dispatch.sm90_fwd_tiles(dt, hd, keys, masked)
-                        assert _dispatch.sm90_fwd_name(dt, tiles, packed) in names
+                    # every kernel the forward picks, by keys per tile, is compiled and fits
+                    for keys in (64, 100, 128, 200, 1000, 5000):
+                        tiles = _dispatch.hopper_fwd_tiles(dt, hd, keys)
+                        assert _dispatch.hopper_fwd_name(dt, tiles, packed) in names
                         assert tiles.smem_bytes(2) <= 232448
                     assert set(_dispatch.sm90_bwd_names(dt, bwd, packed)) <= set(names)
-                    for keys in (64, 1000):
-                        ws = _dispatch.sm90_ws_fwd_tiles(dt, hd, keys)
-                        if ws is not None:
-                            assert _dispatch.sm90_ws_fwd_name(dt, ws, packed) in names
-                            assert ws.smem_bytes(2) <= 232448
-                    assert _dispatch.sm90_ws_fwd_tiles(dt, hd, 5000) is None
+                ws = _dispatch.sm90_ws_fwd_tiles(dt, hd, 5000)
+                assert (ws is not None) == (hd in (64, 128))
+                assert (_dispatch.sm90_ws_fwd_tiles(dt, hd, 100) is not None) == (hd == 128)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _dispatch.sm90_fwd_tiles("float32", 64) is None

@@ -362,8 +362,8 @@ def test_grouped_backward_split_groups(hq, hkv):
 @pytest.mark.parametrize("mask", ({}, {"causal": True}, {"window": (40, 3)}))
 def test_blocks_that_run_several_short_tiles(dtype, d, mask):
     """Many short sequences, dense and packed: more tiles than fit the GPU at once, so that
-    each block of the Hopper forward runs several in turn (cuflash/_dispatch.py: SHORT_KEYS;
-    at D = 128 the kernel with a loading warpgroup, WS_KEYS)."""
+    each block of the Hopper forward runs several in turn (cuflash/_dispatch.py: hopper_fwd_tiles;
+    at D = 128 the kernel with a loading warpgroup)."""
     rng = np.random.default_rng(d)
     b, h, n = 40, 8, (100 if d == 64 else 190)   # keys short enough for blocks that run several tiles
     q, k, v = (random_array(rng, (b, h, n, d), dtype, 2.0) for _ in range(3))

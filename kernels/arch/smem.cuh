@@ -55,21 +55,46 @@ __device__ __forceinline__ void named_barrier_sync() { asm volatile("bar.sync %0
 // Issues the copies of rows [0, ROWS) x cols [0, COLS) of a global tile whose
 // row r starts at g + r * row_stride; rows >= rows_valid and columns >= cols_valid
 // become zeros. Threads 0 .. THREADS - 1 take part (the whole block, or its loading
-// warps). ROLLED keeps the loop rolled: for loading warps with few registers, which
-// an unrolled loop's hoisted addresses would spill.
+// warps). ROLLED keeps the loop (partly) rolled: for loading warps with few registers,
+// which a fully unrolled loop's hoisted addresses would spill, and whose issue rate
+// alone sets how fast the copies go out.
 template <class Tile, int THREADS, bool ROLLED = false, class Storage>
 __device__ __forceinline__ void load_tile_async(u32 s_tile, const Storage* g, index_t row_stride,
                                                 int rows_valid, int cols_valid) {
     constexpr int TOTAL = Tile::ROWS_X_CHUNKS;
     constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
+    // Rolled, when the threads cover whole rows and a multiple of 8 of them per pass: each
+    // thread keeps one chunk column and steps down the rows. The swizzles repeat every 8
+    // rows, so both addresses move by constants, with no division or 64-bit product per
+    // copy. Unrolled loops keep the form below, which carries no registers from copy to
+    // copy (the portable forward sits at its register limit).
+    constexpr int ROW_STEP = THREADS / Tile::CHUNKS;
+    if constexpr (ROLLED && THREADS % Tile::CHUNKS == 0 && ROW_STEP % 8 == 0 && TOTAL % THREADS == 0) {
+        const int c = int(threadIdx.x) % Tile::CHUNKS;
+        int r = int(threadIdx.x) / Tile::CHUNKS;
+        const bool col_valid = c * Tile::ELEMS_PER_CHUNK < cols_valid;
+        const Storage* src = g + r * row_stride + c * Tile::ELEMS_PER_CHUNK;
+        u32 dst = s_tile + Tile::chunk_offset(r, c);
+        const index_t src_step = ROW_STEP * row_stride;
+        const u32 dst_step = Tile::chunk_offset(ROW_STEP, 0) - Tile::chunk_offset(0, 0);
+#pragma unroll 4
+        for (int it = 0; it < ITERS; ++it) {
+            const bool valid = col_valid && r < rows_valid;
+            cp_async_16(dst, valid ? src : g, valid);
+            r += ROW_STEP;
+            src += src_step;
+            dst += dst_step;
+        }
+    } else {
 #pragma unroll (ROLLED ? 1 : ITERS)
-    for (int it = 0; it < ITERS; ++it) {
-        const int i = it * THREADS + int(threadIdx.x);
-        if (TOTAL % THREADS != 0 && i >= TOTAL) break;
-        const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS;
-        const bool valid = r < rows_valid && c * Tile::ELEMS_PER_CHUNK < cols_valid;
-        const Storage* src = valid ? g + r * row_stride + c * Tile::ELEMS_PER_CHUNK : g;
-        cp_async_16(s_tile + Tile::chunk_offset(r, c), src, valid);
+        for (int it = 0; it < ITERS; ++it) {
+            const int i = it * THREADS + int(threadIdx.x);
+            if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+            const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS;
+            const bool valid = r < rows_valid && c * Tile::ELEMS_PER_CHUNK < cols_valid;
+            const Storage* src = valid ? g + r * row_stride + c * Tile::ELEMS_PER_CHUNK : g;
+            cp_async_16(s_tile + Tile::chunk_offset(r, c), src, valid);
+        }
     }
 }
 

@@ -142,8 +142,9 @@ attn_fwd_sm90(const AttnParams p) {
             // edge are masked.
             float alpha[1][2];
             const int n0 = nb * BLOCK_N;
-            if (tile.band.cuts(tile.m0, tile.m_end, n0, n0 + BLOCK_N)) {
-                apply_band(s, tile.band, tile.m0 + warp_row0, n0);
+            const bool cut = tile.band.cuts(tile.m0, tile.m_end, n0, n0 + BLOCK_N);
+            if (cut) apply_band(s, tile.band, tile.m0 + warp_row0, n0);
+            if (cut && !softmax.masked_p_vanish) {
                 softmax.template probabilities<true>(s, scale_log2, alpha);
             } else {
                 softmax.template probabilities<false>(s, scale_log2, alpha);

@@ -163,8 +163,9 @@ attn_fwd_sm90_ws(const AttnParams p) {
 
                 float alpha[1][2];
                 const int n0 = (t.nb_begin + i) * BLOCK_N;
-                if (t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N)) {
-                    apply_band(s, t.band, t.m0 + warp_row0, n0);
+                const bool cut = t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N);
+                if (cut) apply_band(s, t.band, t.m0 + warp_row0, n0);
+                if (cut && !softmax.masked_p_vanish) {
                     softmax.template probabilities<true>(s, scale_log2, alpha);
                 } else {
                     softmax.template probabilities<false>(s, scale_log2, alpha);
