@@ -49,12 +49,9 @@ template <class T> __device__ __forceinline__ float exp2_p(float x) {
 }
 template <> __device__ __forceinline__ float exp2_p<f32>(float x) { return exp2f(x); }
 
-// x clamped to T's finite range; NaN stays NaN (the .NaN forms of min and max keep it).
+// x clamped to T's finite range; NaN stays NaN (both comparisons are false).
 template <class T> __device__ __forceinline__ float saturate(float x) {
-    float y;
-    asm("{ .reg .f32 t; max.NaN.f32 t, %1, %2; min.NaN.f32 %0, t, %3; }"
-        : "=f"(y) : "f"(x), "f"(-float(T::MAX_FINITE)), "f"(float(T::MAX_FINITE)));
-    return y;
+    return x > T::MAX_FINITE ? T::MAX_FINITE : (x < -T::MAX_FINITE ? -T::MAX_FINITE : x);
 }
 
 // Two floats -> one register of two 16-bit values, `lo` in the low half (the lower address).

@@ -16,20 +16,23 @@ namespace cuflash {
 
 __device__ __forceinline__ bool is_inf(float x) { return fabsf(x) == CUFLASH_INF; }
 
+// Whether a masked score's p comes out 0 by itself: exp2((-inf - m) * scale_log2 - P_SHIFT)
+// is exp2(-inf) = 0 for a positive scale in one float. A masked block may then take the
+// unmasked probabilities (below), skipping a test and a select per score.
+template <class T>
+__device__ __forceinline__ bool masked_p_vanish(double scale_log2) {
+    return !T::SPLIT_SCALE && float(scale_log2) > 0.f;
+}
+
 template <class T, int M_TILES>
 struct OnlineSoftmax {
     static constexpr float P_SHIFT = float(T::P_SHIFT);
     float m[M_TILES][2];
     float l[M_TILES][2];
     float scale_lo;   // scale_log2 - float(scale_log2), used where T::SPLIT_SCALE
-    // Whether a masked score's p comes out 0 by itself: exp2((-inf - m) * scale_log2 - P_SHIFT)
-    // is exp2(-inf) = 0 for a positive scale in one float. A masked block may then take the
-    // unmasked probabilities, skipping a test and a select per score.
-    bool masked_p_vanish;
 
     __device__ __forceinline__ explicit OnlineSoftmax(double scale_log2)
-        : scale_lo(float(scale_log2 - double(float(scale_log2)))),
-          masked_p_vanish(!T::SPLIT_SCALE && float(scale_log2) > 0.f) {
+        : scale_lo(float(scale_log2 - double(float(scale_log2)))) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll

@@ -118,6 +118,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
     const int group_row0 = (int(threadIdx.x) / 128 - 1) * 64;          // this warpgroup's rows
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's rows
     const float scale_log2 = float(p.scale_log2);
+    const bool vanish = masked_p_vanish<T>(p.scale_log2);   // masked blocks may skip the test
     u32 pa[N_TILES / 2][4];   // p of the previous block, as wgmma A fragments
     float acc[1][D_TILES][4];
     u32 q_uses = 0, kv_uses = 0;
@@ -165,7 +166,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
                 const int n0 = (t.nb_begin + i) * BLOCK_N;
                 const bool cut = t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N);
                 if (cut) apply_band(s, t.band, t.m0 + warp_row0, n0);
-                if (cut && !softmax.masked_p_vanish) {
+                if (cut && !vanish) {
                     softmax.template probabilities<true>(s, scale_log2, alpha);
                 } else {
                     softmax.template probabilities<false>(s, scale_log2, alpha);
