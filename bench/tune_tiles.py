@@ -38,14 +38,23 @@ FWD_CANDIDATES = {
     128: [(128, 32, 4), (128, 64, 4)],
     256: [(64, 32, 4), (64, 64, 4)],
 }
-# (block_n, warpgroups, stages, min_blocks) of the Hopper forward (sm_90a only)
-# (one warpgroup per block and 2-3 blocks per SM: the blocks' prologues and softmaxes
-# overlap each other's products without a barrier between them)
+# The Hopper forward (sm_90a only): ("ws", block_n, stages) for the kernel with a loading
+# warpgroup, else (block_n, warpgroups, stages, min_blocks[, multi_tile]) of attn_fwd_sm90
+# (one warpgroup per block and 2-4 blocks per SM: the blocks' prologues and softmaxes
+# overlap each other's products without a barrier between them; multi_tile: a grid of what
+# fits the GPU at once, each block running tiles in turn)
 SM90_FWD_CANDIDATES = {
-    64: [(64, 2, 2, 1), (128, 2, 2, 1), (64, 1, 2, 2), (64, 1, 2, 3), (64, 1, 2, 4), (128, 1, 2, 2)],
-    128: [(128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
+    64: [("ws", 128, 2), (64, 2, 2, 1), (64, 1, 2, 3, True), (64, 1, 2, 3), (64, 1, 2, 4), (128, 1, 2, 2)],
+    128: [("ws", 128, 2), (128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
     256: [(64, 2, 2, 1)],
 }
+
+
+def hopper_fwd(d, *cand):
+    """A Hopper forward candidate as the tiles hopper_fwd_tiles returns."""
+    if cand[0] == "ws":
+        return _dispatch.Sm90WsFwdTiles(d, *cand[1:])
+    return Sm90FwdTiles(d, *cand[:4], multi_tile=bool(cand[4:] and cand[4]))
 # (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages]) of the Hopper backward
 # (three or more stages: a step's gradient products run during the next step; one warpgroup
 # per block and two blocks per SM: no barrier between the two sets of 64 resident rows)
@@ -116,7 +125,7 @@ def tune(dtype, n, d, directions):
             "bwd": (functools.partial(cuflash.attention_backward, do, q, k, v, out, lse, causal=causal), 2.5 * flops),
         }
         if hopper:
-            table = {"fwd": ("sm90_fwd_tiles", Sm90FwdTiles, SM90_FWD_CANDIDATES),
+            table = {"fwd": ("hopper_fwd_tiles", hopper_fwd, SM90_FWD_CANDIDATES),
                      "bwd": ("sm90_bwd_tiles", Sm90BwdTiles, SM90_BWD_CANDIDATES)}
         else:
             table = {"fwd": ("fwd_tiles", lambda d, *c: FwdTiles(d, d, *c), FWD_CANDIDATES),
