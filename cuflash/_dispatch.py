@@ -89,9 +89,6 @@ class Sm90FwdTiles:
     warpgroups: int  # each owns 64 query rows
     stages: int = 2  # K and V blocks in flight
     min_blocks: int = 1  # blocks per SM the registers are budgeted for
-    # blocks run several tiles each when there are more than fit the GPU at once, loading
-    # the next during the last product of one (kernels/prefill/attn_fwd_sm90.cuh: MULTI_TILE)
-    multi_tile: bool = False
 
     @property
     def block_m(self) -> int:
@@ -115,8 +112,8 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
-        # one warpgroup per block, three blocks per SM, each block running tiles in turn
-        return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=3, multi_tile=True)
+        # one warpgroup per block, four blocks per SM (bench/NOTES.md v14)
+        return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=4)
     # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage
     # gained nothing, and 64-key blocks beat 128 at head dim 64 (head dims 64 and 128
     # run these only where hopper_fwd_tiles picks them over the loading-warpgroup kernel)
@@ -144,7 +141,7 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
     measurement (bench/NOTES.md v13): head dims 64 and 128, except head dim 64 with at most
     128 keys per tile (of each sequence; the mean over packed ones), where blocks of one
-    warpgroup, three per SM, stay ahead. None elsewhere."""
+    warpgroup, four per SM, stay ahead. None elsewhere."""
     if dtype_name == "float32" or head_dim not in (64, 128):
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
@@ -179,7 +176,7 @@ def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = Fals
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    rest = f"{t.warpgroups}, {t.stages}, {t.min_blocks}, {_flag(packed)}, {_flag(t.multi_tile)}"
+    rest = f"{t.warpgroups}, {t.stages}, {t.min_blocks}, {_flag(packed)}"
     return f"cuflash::attn_fwd_sm90<{elem}, {t.head_dim}, {t.block_n}, {rest}>"
 
 
@@ -512,8 +509,6 @@ def forward_launches(x) -> Launches:
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
     hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys) if _compile.current_arch() == "sm_90a" else None
-    ws = hopper if isinstance(hopper, Sm90WsFwdTiles) else None
-    sm90 = hopper if ws is None else None
     if hopper is not None:
         smem, block_m, threads, cols = hopper.smem_bytes(itemsize), hopper.block_m, hopper.threads, 1
         fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed), smem)
@@ -524,7 +519,7 @@ def forward_launches(x) -> Launches:
     params = _params.attn_params(x, block_m)
     blocks, capacity = _row_blocks(x, block_m, False, x.batch_size)
     params[0]["num_tiles"] = blocks
-    if ws is not None or (sm90 is not None and sm90.multi_tile):
+    if isinstance(hopper, Sm90WsFwdTiles):
         # a grid that fits the GPU at once, each block running tiles in turn
         blocks = min(blocks, sm_count() * blocks_per_sm(fn, threads, smem))
     main = Launch(fn, (blocks, max(1, cols)), threads, smem, params)

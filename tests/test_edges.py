@@ -233,18 +233,20 @@ def _near_max(rng, shape, dtype):
     return x.astype(dtype).astype(np.float32)  # round to the dtype (never beyond its max)
 
 
-def _float16_max_inputs(d, seed):
+def _float16_max_inputs(d, seed, nk=300):
+    """(At most nk queries, so that under a causal mask every row sees a key.)"""
     rng = np.random.default_rng(seed)
-    return tuple(_near_max(rng, shape, "float16") for shape in ((2, 130, d), (2, 300, d), (2, 300, d)))
+    nq = min(130, nk)
+    return tuple(_near_max(rng, shape, "float16") for shape in ((2, nq, d), (2, nk, d), (2, nk, d)))
 
 
-def _bfloat16_max_v_inputs(seed):
+def _bfloat16_max_v_inputs(seed, nk=300):
     """Moderate q, k; v at bfloat16's largest values, with one column all +max and one all -max
-    (out must come out at +-max there: rounding must not push it to inf)."""
+    (out must come out at +-max there: rounding must not push it to inf). At most nk queries."""
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((2, 130, 64)).astype(np.float32)
-    k = rng.standard_normal((2, 300, 64)).astype(np.float32)
-    v = _near_max(rng, (2, 300, 64), "bfloat16")
+    q = rng.standard_normal((2, min(130, nk), 64)).astype(np.float32)
+    k = rng.standard_normal((2, nk, 64)).astype(np.float32)
+    v = _near_max(rng, (2, nk, 64), "bfloat16")
     big = np.float32(_finfo_max("bfloat16"))
     v[..., 0] = big
     v[..., 1] = -big
@@ -292,9 +294,10 @@ def test_float32_logits_of_1e4(flavor, causal):
     _check_lse_float32(cupy.asnumpy(lse), r_lse, hq.astype(np.float64), hk.astype(np.float64), scale)
 
 
-@pytest.mark.parametrize("d", [64, 256])
+# nk 100: head dim 64 with at most 128 keys runs its own tiles on Hopper
+@pytest.mark.parametrize("d, nk", [(64, 300), (256, 300), (64, 100)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_float16_at_its_largest_values(d, causal):
+def test_float16_at_its_largest_values(d, nk, causal):
     """q, k and v at +-65504 (and within 25% below), random signs: q.k reaches ~1e11 (at most
     d * 65504^2 = 1.1e12 at d = 256), logits ~1.5e10, far inside float32. out and lse must be
     finite and out within 8 eps max|v| of the reference (out must saturate, not round past
@@ -304,7 +307,7 @@ def test_float16_at_its_largest_values(d, causal):
     c * naive criterion would be vacuous: the tolerance is absolute instead. At logits of
     1e10 float32 scores carry errors of ~1e5, so rows whose top keys nearly tie are checked
     against the hull of those keys' values (see `_check_huge_logits`)."""
-    hq, hk, hv = _float16_max_inputs(d, seed=20 + d + causal)
+    hq, hk, hv = _float16_max_inputs(d, seed=20 + d + nk + causal, nk=nk)
     q, k, v = (_to_gpu(x, "float16") for x in (hq, hk, hv))
     out, lse = _forward(q, k, v, causal=causal)
     hq, hk, hv = (x.astype(np.float64) for x in (hq, hk, hv))
@@ -314,14 +317,15 @@ def test_float16_at_its_largest_values(d, causal):
     )
 
 
+@pytest.mark.parametrize("nk", [300, 100])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bfloat16_v_at_its_largest_values(causal):
+def test_bfloat16_v_at_its_largest_values(nk, causal):
     """v at bfloat16's largest values (3.39e38, near float32's own limit) with moderate q, k:
     the float32 sums of p * v must not overflow and out must saturate at +-max, not round
     to inf. out within 8 eps max|v| of the reference; lse (moderate here) within 1e-3.
     (The naive version, whose p is rounded to bfloat16 before p @ v, can itself overflow
     here, so the tolerance is absolute.)"""
-    hq, hk, hv = _bfloat16_max_v_inputs(seed=30 + causal)
+    hq, hk, hv = _bfloat16_max_v_inputs(seed=30 + nk + causal, nk=nk)
     q, k, v = (_to_gpu(x, "bfloat16") for x in (hq, hk, hv))
     out, lse = _forward(q, k, v, causal=causal)
     r_out, r_lse = reference.attention(

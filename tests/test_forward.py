@@ -52,6 +52,25 @@ def test_every_dtype_and_head_dim(dtype, d, causal):
     check_forward(q, k, v, causal=causal)
 
 
+SHORT_MASKS = {
+    "none": {}, "causal": {"causal": True}, "window": {"window": (5, 3)}, "left": {"window": (20, None)},
+    "right": {"window": (None, 7)}, "causal_window": {"causal": True, "window": (40, None)},
+}
+
+
+# Head dim 64 with at most 128 keys has its own tiles on Hopper (blocks of one warpgroup, masks
+# by row bounds): every mask, at lengths on and off its 64-row and 64-key block edges.
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("mask", SHORT_MASKS)
+@pytest.mark.parametrize("nq, nk", [(1, 1), (64, 64), (77, 128), (128, 100), (130, 65), (3, 127)])
+def test_head_dim_64_short_keys_under_every_mask(dtype, mask, nq, nk):
+    rng = np.random.default_rng(nq * 1000 + nk)
+    q = random_array(rng, (2, 2, nq, 64), dtype, 4.0)
+    k = random_array(rng, (2, 1, nk, 64), dtype)
+    v = random_array(rng, (2, 1, nk, 64), dtype)
+    check_forward(q, k, v, **SHORT_MASKS[mask])
+
+
 # head dims that are not a multiple of 8 (zero-padded for the kernels), with Dv != D too
 ODD_HEAD_DIMS = ((1, 1), (7, 7), (59, 59), (100, 100), (111, 111), (255, 255), (3, 130), (200, 13))
 

@@ -55,21 +55,23 @@ __device__ __forceinline__ void named_barrier_sync() { asm volatile("bar.sync %0
 // Issues the copies of rows [0, ROWS) x cols [0, COLS) of a global tile whose
 // row r starts at g + r * row_stride; rows >= rows_valid and columns >= cols_valid
 // become zeros. Threads 0 .. THREADS - 1 take part (the whole block, or its loading
-// warps). ROLLED keeps the loop (partly) rolled: for loading warps with few registers,
-// which a fully unrolled loop's hoisted addresses would spill, and whose issue rate
-// alone sets how fast the copies go out.
-template <class Tile, int THREADS, bool ROLLED = false, class Storage>
+// warps). STRIDED: each thread steps down the rows (below), in a loop unrolled by 4, or
+// where the tile's shape does not allow that, a rolled loop; for loading warps with few
+// registers, which a fully unrolled loop's hoisted addresses would spill, and whose issue
+// rate alone sets how fast the copies go out, and for kernels whose copies are a large
+// share of their instructions (short tiles).
+template <class Tile, int THREADS, bool STRIDED = false, class Storage>
 __device__ __forceinline__ void load_tile_async(u32 s_tile, const Storage* g, index_t row_stride,
                                                 int rows_valid, int cols_valid) {
     constexpr int TOTAL = Tile::ROWS_X_CHUNKS;
     constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
-    // Rolled, when the threads cover whole rows and a multiple of 8 of them per pass: each
+    // Strided, when the threads cover whole rows and a multiple of 8 of them per pass: each
     // thread keeps one chunk column and steps down the rows. The swizzles repeat every 8
     // rows, so both addresses move by constants, with no division or 64-bit product per
     // copy. Unrolled loops keep the form below, which carries no registers from copy to
     // copy (the portable forward sits at its register limit).
     constexpr int ROW_STEP = THREADS / Tile::CHUNKS;
-    if constexpr (ROLLED && THREADS % Tile::CHUNKS == 0 && ROW_STEP % 8 == 0 && TOTAL % THREADS == 0) {
+    if constexpr (STRIDED && THREADS % Tile::CHUNKS == 0 && ROW_STEP % 8 == 0 && TOTAL % THREADS == 0) {
         const int c = int(threadIdx.x) % Tile::CHUNKS;
         int r = int(threadIdx.x) / Tile::CHUNKS;
         const bool col_valid = c * Tile::ELEMS_PER_CHUNK < cols_valid;
@@ -86,7 +88,7 @@ __device__ __forceinline__ void load_tile_async(u32 s_tile, const Storage* g, in
             dst += dst_step;
         }
     } else {
-#pragma unroll (ROLLED ? 1 : ITERS)
+#pragma unroll (STRIDED ? 1 : ITERS)
         for (int it = 0; it < ITERS; ++it) {
             const int i = it * THREADS + int(threadIdx.x);
             if (TOTAL % THREADS != 0 && i >= TOTAL) break;

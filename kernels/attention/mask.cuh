@@ -31,6 +31,8 @@ struct Band {
     __device__ __forceinline__ bool cuts(int r0, int r1, int c0, int c1) const {
         return c1 > nk || c1 - 1 > r0 + off + right || c0 < r1 - 1 + off - left;
     }
+    // Whether the left edge of some row in [.., r1) lies past key c0 (cuts' last test).
+    __device__ __forceinline__ bool cuts_left(int r1, int c0) const { return c0 < r1 - 1 + off - left; }
 };
 
 // Writes -inf over the scores a row may not see. s holds the C fragments of
@@ -49,6 +51,42 @@ __device__ __forceinline__ void apply_band(Score (&s)[M_TILES][N_TILES][4], cons
                 const int col = col0 + nt * 8 + 2 * t + (e & 1);
                 if (!(KEYS_IN_ROWS ? band.allows(col, row) : band.allows(row, col))) s[mt][nt][e] = -CUFLASH_INF;
             }
+}
+
+// apply_band by rows: each of a thread's rows gets its keys [lo, hi) once, relative to its
+// first column, so that a score takes one compare per edge against a constant of the
+// unrolled loop (LEFT false: no row's left edge lies in the block, and that edge is not
+// tested). The same result as apply_band in fewer instructions.
+template <bool LEFT, class Score, int M_TILES, int N_TILES>
+__device__ __forceinline__ void apply_row_bounds(Score (&s)[M_TILES][N_TILES][4], const Band& band, int row0, int col0) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int first_col = col0 + 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + mt * 16 + g + 8 * h;
+            const int hi = min(band.nk, row + band.off + band.right + 1) - first_col;
+            const int lo = row + band.off - band.left - first_col;
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    const int c = nt * 8 + (e & 1);
+                    if (c >= hi || (LEFT && c < lo)) s[mt][nt][e] = -CUFLASH_INF;
+                }
+        }
+}
+
+// apply_band (not transposed) for a block of rows ending at row_end, by row bounds.
+template <class Score, int M_TILES, int N_TILES>
+__device__ __forceinline__ void apply_band_rows(Score (&s)[M_TILES][N_TILES][4], const Band& band, int row_end,
+                                                int row0, int col0) {
+    if (band.cuts_left(row_end, col0)) {
+        apply_row_bounds<true>(s, band, row0, col0);
+    } else {
+        apply_row_bounds<false>(s, band, row0, col0);
+    }
 }
 
 }  // namespace cuflash

@@ -19,8 +19,8 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
 // Writes a warp's rows of out (acc, already divided by l) and lse for the block of
 // query rows from m0 of w's sequence. Rows past the sequence and columns past dv are
 // not written (CHECK_COLS: some columns of the tile are past dv); lse comes from the
-// first column block.
-template <bool CHECK_COLS, class T, int M_TILES, int D_TILES>
+// first column block. SATFINITE: saturate in the conversion (Store::pair_satfinite, sm_90a).
+template <bool CHECK_COLS, bool SATFINITE, class T, int M_TILES, int D_TILES>
 __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, int m0, int col0, int warp_row0,
                                            const float (&acc)[M_TILES][D_TILES][4], const float (&lse)[M_TILES][2]) {
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
@@ -37,9 +37,15 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, i
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt) {
                 const int col = dt * 8 + 2 * t;
-                if (!CHECK_COLS || col < dv)
-                    Store<T>::pair(g_out + index_t(row) * p.dv + col, saturate<T>(acc[mt][dt][2 * h]),
-                                   saturate<T>(acc[mt][dt][2 * h + 1]));
+                if (!CHECK_COLS || col < dv) {
+                    if constexpr (SATFINITE) {
+                        Store<T>::pair_satfinite(g_out + index_t(row) * p.dv + col, acc[mt][dt][2 * h],
+                                                 acc[mt][dt][2 * h + 1]);
+                    } else {
+                        Store<T>::pair(g_out + index_t(row) * p.dv + col, saturate<T>(acc[mt][dt][2 * h]),
+                                       saturate<T>(acc[mt][dt][2 * h + 1]));
+                    }
+                }
             }
             if (t == 0 && col0 == 0) g_lse[row] = lse[mt][h];
         }
@@ -48,14 +54,14 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, i
 // store_rows, without a test per store when every column of the tile is stored (the common
 // case). Not for tiles of more than 128 columns: the head-dim-256 forward sits at its register
 // limit, where the second copy of the loop changed its registers (and its forwards ran 5 %
-// slower in the grid; bench/NOTES.md v13).
-template <class T, int M_TILES, int D_TILES>
+// slower in the grid; bench/NOTES.md v13). SATFINITE as in store_rows.
+template <class T, bool SATFINITE = false, int M_TILES, int D_TILES>
 __device__ __forceinline__ void store_output(const AttnParams& p, const Work& w, int m0, int col0, int warp_row0,
                                              const float (&acc)[M_TILES][D_TILES][4], const float (&lse)[M_TILES][2]) {
     if (D_TILES <= 16 && int(p.dv) - col0 >= D_TILES * 8) {
-        store_rows<false, T>(p, w, m0, col0, warp_row0, acc, lse);
+        store_rows<false, SATFINITE, T>(p, w, m0, col0, warp_row0, acc, lse);
     } else {
-        store_rows<true, T>(p, w, m0, col0, warp_row0, acc, lse);
+        store_rows<true, SATFINITE, T>(p, w, m0, col0, warp_row0, acc, lse);
     }
 }
 

@@ -7,9 +7,7 @@
 // and V from shared memory; one instruction covers a 64 x BLOCK_N (or
 // 64 x HEAD_DIM) tile. The products are asynchronous, so a step issues its
 // scores and then the previous block's p v, and computes its softmax while
-// that p v occupies the tensor cores. A block may run several tiles in turn (a
-// grid smaller than the tiles, for short sequences), loading the next tile
-// while the last product and the stores of the current one run.
+// that p v occupies the tensor cores. One block per tile of BLOCK_M query rows.
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -42,9 +40,7 @@ struct FwdTile {
     }
 };
 
-// MULTI_TILE: blocks may run several tiles (a grid smaller than the tiles); a template
-// argument, since holding the next tile costs registers that wide head dims lack.
-template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED, bool MULTI_TILE>
+template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_fwd_sm90(const AttnParams p) {
     using Cfg = Sm90FwdConfig<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES>;
@@ -53,18 +49,18 @@ attn_fwd_sm90(const AttnParams p) {
     using VTile = typename Cfg::VTile;
     using Tile = FwdTile<Cfg>;
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
+    // Up to head dim 128: copies that step down the rows, masks by row bounds and
+    // saturation in the conversion, for fewer instructions per tile (short sequences
+    // are issue-bound). Head dim 256 sits at its register limit and keeps its code
+    // (with a change in its loop its forwards ran 5 % slower; bench/NOTES.md v13).
+    constexpr bool LEAN = HEAD_DIM <= 128;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
 
-    // A block runs tiles blockIdx.x, + gridDim.x, ... (one, unless the grid is smaller
-    // than the tiles: short sequences). While one tile's last p v and its stores run,
-    // the next tile's Q and first K block load.
-    const u32 num_m_blocks = u32(p.num_m_blocks);
-    u32 index = blockIdx.x;
-    Work first;
-    if (!p.template work_at<PACKED>(index, num_m_blocks, true, first)) return;
-    Tile tile(p, first);
+    Work work;
+    if (!p.template find_work<PACKED>(u32(p.num_m_blocks), true, work)) return;
+    const Tile tile(p, work);
     const int d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;                 // this warpgroup's rows
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;  // this warp's rows
@@ -74,119 +70,104 @@ attn_fwd_sm90(const AttnParams p) {
     const u32 s_k = s_q + QTile::BYTES;                     // + stage * KTile::BYTES
     const u32 s_v = s_k + STAGES * KTile::BYTES;            // + stage * VTile::BYTES
 
-    // Step i of a tile (block nb_begin + i) computes block i's scores and block i-1's p v,
-    // and issues the loads of K block i + STAGES - 1 and V block i + STAGES - 2: each
-    // buffer is refilled the step after its last reader, and one block-wide barrier per
-    // step orders all of it. Stages count on across tiles (step0: the tile's first).
-    auto load_k = [&](const Tile& t, int nb, int stage) {
+    // Step i (block nb_begin + i) computes block i's scores and block i-1's p v, and
+    // issues the loads of K block i + STAGES - 1 and V block i + STAGES - 2: each buffer
+    // is refilled the step after its last reader, and one block-wide barrier per step
+    // orders all of it.
+    auto load_k = [&](int nb, int stage) {
         const int n0 = nb * BLOCK_N;
-        load_tile_async<KTile, Cfg::THREADS>(s_k + stage * KTile::BYTES, t.g_k + index_t(n0) * p.k_row_stride,
-                                             p.k_row_stride, t.w.nk - n0, d);
+        load_tile_async<KTile, Cfg::THREADS, LEAN>(s_k + stage * KTile::BYTES, tile.g_k + index_t(n0) * p.k_row_stride,
+                                                   p.k_row_stride, tile.w.nk - n0, d);
     };
-    auto load_v = [&](const Tile& t, int nb, int stage) {
+    auto load_v = [&](int nb, int stage) {
         const int n0 = nb * BLOCK_N;
-        load_tile_async<VTile, Cfg::THREADS>(s_v + stage * VTile::BYTES, t.g_v + index_t(n0) * p.v_row_stride,
-                                             p.v_row_stride, t.w.nk - n0, dv);
+        load_tile_async<VTile, Cfg::THREADS, LEAN>(s_v + stage * VTile::BYTES, tile.g_v + index_t(n0) * p.v_row_stride,
+                                                   p.v_row_stride, tile.w.nk - n0, dv);
     };
     // the loads of step i (i < 0: the prologue's), as one cp.async group
-    auto load_step = [&](const Tile& t, u32 step0, int i) {
-        const int kb = t.nb_begin + i + STAGES - 1, vb = kb - 1;
-        if (kb < t.nb_end) load_k(t, kb, int((step0 + u32(i + STAGES - 1)) % STAGES));
-        if (vb >= t.nb_begin && vb < t.nb_end) load_v(t, vb, int((step0 + u32(i + STAGES - 2)) % STAGES));
+    auto load_step = [&](int i) {
+        const int kb = tile.nb_begin + i + STAGES - 1, vb = kb - 1;
+        if (kb < tile.nb_end) load_k(kb, int(u32(i + STAGES - 1) % STAGES));
+        if (vb >= tile.nb_begin && vb < tile.nb_end) load_v(vb, int(u32(i + STAGES - 2) % STAGES));
         cp_async_commit();
-    };
-    auto prologue = [&](const Tile& t, u32 step0) {
-        if (t.nb_begin < t.nb_end) {
-            load_tile_async<QTile, Cfg::THREADS>(s_q, t.g_q, p.q_row_stride, t.w.nq - t.m0, d);
-#pragma unroll
-            for (int i = 1 - STAGES; i < 0; ++i) load_step(t, step0, i);
-        }
     };
 
     const float scale_log2 = float(p.scale_log2);
     const bool vanish = masked_p_vanish<T>(p.scale_log2);   // masked blocks may skip the test
     u32 pa[N_TILES / 2][4];   // p of the previous block, as wgmma A fragments
     float acc[1][D_TILES][4];
-    u32 step0 = 0;
-    prologue(tile, step0);
-    while (true) {
-        fill_zero(acc);
-        OnlineSoftmax<T, 1> softmax(p.scale_log2);
-
-        // acc += p v for the block whose V sits in `stage`; not waited for.
-        auto issue_pv = [&](int stage) {
-            pin_registers(acc);
-            wgmma_fence();
-            wgmma_regs_cols<T, VTile, HEAD_DIM>(acc[0], pa, s_v + stage * VTile::BYTES);
-            wgmma_commit();
-        };
-
-        for (int nb = tile.nb_begin; nb < tile.nb_end; ++nb) {
-            const int i = nb - tile.nb_begin, stage = int((step0 + u32(i)) % STAGES);
-            const bool first_step = i == 0;
-            cp_async_wait<STAGES - 2>();   // K block i and V block i-1 have landed
-            fence_async_shared();
-            __syncthreads();               // ... for every thread, and step i-1 is done everywhere
-            load_step(tile, step0, i);
-
-            // s = q k^T, then the previous block's p v behind it on the tensor cores
-            float s[1][N_TILES][4];
-            wgmma_fence();
-            wgmma_rows_rows<T, QTile, KTile, HEAD_DIM, BLOCK_N>(s[0], s_q + group_row0 * 128, s_k + stage * KTile::BYTES);
-            wgmma_commit();
-            if (!first_step) issue_pv(int((step0 + u32(i + STAGES - 1)) % STAGES));
-            if (first_step) wgmma_wait<0>(); else wgmma_wait<1>();
-            pin_registers(s);
-
-            // p = exp2((s - m) * scale_log2 - P_SHIFT) while p v runs; acc is
-            // rescaled once that product is done. Only blocks that cross the band's
-            // edge are masked.
-            float alpha[1][2];
-            const int n0 = nb * BLOCK_N;
-            // (Head dim 256, at its register limit, keeps the checked form: with the choice in
-            // its loop its registers changed, and its forwards ran 5 % slower in the grid,
-            // masked or not; bench/NOTES.md v13.)
-            if (tile.band.cuts(tile.m0, tile.m_end, n0, n0 + BLOCK_N)) {
-                apply_band(s, tile.band, tile.m0 + warp_row0, n0);
-                if (HEAD_DIM <= 128 && vanish) {
-                    softmax.template probabilities<false>(s, scale_log2, alpha);
-                } else {
-                    softmax.template probabilities<true>(s, scale_log2, alpha);
-                }
-            } else {
-                softmax.template probabilities<false>(s, scale_log2, alpha);
-            }
-            wgmma_wait<0>();
-            pin_registers(acc);
-            softmax.rescale(acc, alpha);
-            to_a_fragments<T>(pa, s);
-        }
-        const int steps = tile.nb_end - tile.nb_begin;
-
-        // Every thread's score products are done (Q and the K stages are free), and the
-        // last V block has landed: the next tile's first loads go out behind this tile's
-        // last p v and stores.
-        cp_async_wait<0>();
-        fence_async_shared();
-        __syncthreads();
-        index += gridDim.x;
-        Work next;
-        const bool more =
-            MULTI_TILE && index < u32(p.num_tiles) && p.template work_at<PACKED>(index, num_m_blocks, true, next);
-        if (steps) issue_pv(int((step0 + u32(steps - 1)) % STAGES));   // the last block's p v
-        const u32 next_step0 = step0 + u32(steps);
-        if (more) prologue(Tile(p, next), next_step0);
-        if (steps) {
-            wgmma_wait<0>();
-            pin_registers(acc);
-        }
-        float lse[1][2];
-        softmax.finish(acc, lse, scale_log2);
-        store_output<T>(p, tile.w, tile.m0, 0, warp_row0, acc, lse);
-        if (!more) break;
-        tile = Tile(p, next);
-        step0 = next_step0;
+    if (tile.nb_begin < tile.nb_end) {
+        load_tile_async<QTile, Cfg::THREADS, LEAN>(s_q, tile.g_q, p.q_row_stride, tile.w.nq - tile.m0, d);
+#pragma unroll
+        for (int i = 1 - STAGES; i < 0; ++i) load_step(i);
     }
+    fill_zero(acc);
+    OnlineSoftmax<T, 1> softmax(p.scale_log2);
+
+    // acc += p v for the block whose V sits in `stage`; not waited for.
+    auto issue_pv = [&](int stage) {
+        pin_registers(acc);
+        wgmma_fence();
+        wgmma_regs_cols<T, VTile, HEAD_DIM>(acc[0], pa, s_v + stage * VTile::BYTES);
+        wgmma_commit();
+    };
+
+    for (int nb = tile.nb_begin; nb < tile.nb_end; ++nb) {
+        const int i = nb - tile.nb_begin, stage = int(u32(i) % STAGES);
+        const bool first_step = i == 0;
+        cp_async_wait<STAGES - 2>();   // K block i and V block i-1 have landed
+        fence_async_shared();
+        __syncthreads();               // ... for every thread, and step i-1 is done everywhere
+        load_step(i);
+
+        // s = q k^T, then the previous block's p v behind it on the tensor cores
+        float s[1][N_TILES][4];
+        wgmma_fence();
+        wgmma_rows_rows<T, QTile, KTile, HEAD_DIM, BLOCK_N>(s[0], s_q + group_row0 * 128, s_k + stage * KTile::BYTES);
+        wgmma_commit();
+        if (!first_step) issue_pv(int(u32(i + STAGES - 1) % STAGES));
+        if (first_step) wgmma_wait<0>(); else wgmma_wait<1>();
+        pin_registers(s);
+
+        // p = exp2((s - m) * scale_log2 - P_SHIFT) while p v runs; acc is
+        // rescaled once that product is done. Only blocks that cross the band's
+        // edge are masked.
+        float alpha[1][2];
+        const int n0 = nb * BLOCK_N;
+        // (Head dim 256 keeps the checked form: LEAN above.)
+        if (tile.band.cuts(tile.m0, tile.m_end, n0, n0 + BLOCK_N)) {
+            if constexpr (LEAN) {
+                apply_band_rows(s, tile.band, tile.m_end, tile.m0 + warp_row0, n0);
+            } else {
+                apply_band(s, tile.band, tile.m0 + warp_row0, n0);
+            }
+            if (LEAN && vanish) {
+                softmax.template probabilities<false>(s, scale_log2, alpha);
+            } else {
+                softmax.template probabilities<true>(s, scale_log2, alpha);
+            }
+        } else {
+            softmax.template probabilities<false>(s, scale_log2, alpha);
+        }
+        wgmma_wait<0>();
+        pin_registers(acc);
+        softmax.rescale(acc, alpha);
+        to_a_fragments<T>(pa, s);
+    }
+    const int steps = tile.nb_end - tile.nb_begin;
+
+    // the last block's p v, once its V has landed for every thread
+    cp_async_wait<0>();
+    fence_async_shared();
+    __syncthreads();
+    if (steps) {
+        issue_pv(int(u32(steps - 1) % STAGES));
+        wgmma_wait<0>();
+        pin_registers(acc);
+    }
+    float lse[1][2];
+    softmax.finish(acc, lse, scale_log2);
+    store_output<T, LEAN>(p, tile.w, tile.m0, 0, warp_row0, acc, lse);
 }
 
 }  // namespace cuflash

@@ -165,7 +165,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
                 float alpha[1][2];
                 const int n0 = (t.nb_begin + i) * BLOCK_N;
                 const bool cut = t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N);
-                if (cut) apply_band(s, t.band, t.m0 + warp_row0, n0);
+                if (cut) apply_band_rows(s, t.band, t.m_end, t.m0 + warp_row0, n0);
                 if (cut && !vanish) {
                     softmax.template probabilities<true>(s, scale_log2, alpha);
                 } else {
@@ -189,7 +189,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
         }
         float lse[1][2];
         softmax.finish(acc, lse, scale_log2);
-        store_output<T>(p, t.w, t.m0, 0, warp_row0, acc, lse);
+        store_output<T, true>(p, t.w, t.m0, 0, warp_row0, acc, lse);
     }
 }
 
