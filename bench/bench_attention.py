@@ -77,33 +77,50 @@ def make_inputs(b, h, n, d, dtype, sets=2):
     ]
 
 
-def time_cuflash(data, causal, direction, repeat):
+def queued_ms(fn, calls: int = 10, repeat: int = 3) -> float:
+    """Median over `repeat` samples of `calls` calls queued back to back, per call (host time hidden)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
+    return float(np.median(times))
+
+
+def free():
+    """Returns the cached GPU memory of CuPy's pool (and torch's) between cells."""
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def time_attention(impl, data, causal, direction, repeat, **kwargs):
+    """`impl`'s (cuflash or naive) forward or backward; the backward's out and lse come from cuflash."""
     if direction == "fwd":
-        return median_ms(lambda q, k, v, do: cuflash.attention(q, k, v, causal=causal), data, repeat)
-    saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True) for q, k, v, do in data]
+        return median_ms(lambda q, k, v, do: impl.attention(q, k, v, causal=causal, **kwargs), data, repeat)
+    saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+             for q, k, v, do in data]
     return median_ms(
-        lambda q, k, v, do, out, lse: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal), saved, repeat
+        lambda q, k, v, do, out, lse: impl.attention_backward(do, q, k, v, out, lse, causal=causal, **kwargs),
+        saved, repeat,
     )
 
 
-def time_naive(data, causal, direction, repeat):
-    if direction == "fwd":
-        return median_ms(lambda q, k, v, do: naive.attention(q, k, v, causal=causal), data, repeat)
-    saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True) for q, k, v, do in data]
-    return median_ms(
-        lambda q, k, v, do, out, lse: naive.attention_backward(do, q, k, v, out, lse, causal=causal), saved, repeat
-    )
-
-
-def time_torch(backend, data, causal, direction, repeat):
+def time_torch(backend, data, causal, direction, repeat, **kwargs):
+    """torch SDPA's `backend` forward or backward (autograd), `kwargs` passed on to SDPA."""
     tdata = [tuple(torch.from_dlpack(x) for x in item) for item in data]
     with sdpa_kernel(backend):
         if direction == "fwd":
-            return median_ms(lambda q, k, v, do: sdpa(q, k, v, is_causal=causal), tdata, repeat)
+            return median_ms(lambda q, k, v, do: sdpa(q, k, v, is_causal=causal, **kwargs), tdata, repeat)
         graphs = []
         for q, k, v, do in tdata:
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            graphs.append((sdpa(q, k, v, is_causal=causal), q, k, v, do))
+            graphs.append((sdpa(q, k, v, is_causal=causal, **kwargs), q, k, v, do))
         return median_ms(
             lambda out, q, k, v, do: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), graphs, repeat
         )
@@ -117,20 +134,18 @@ def run_cell(dtype, d, causal, n, direction, providers, repeat, naive_max_n):
     for name in providers:
         try:
             if name == "cuflash":
-                ms = time_cuflash(data, causal, direction, repeat)
+                ms = time_attention(cuflash, data, causal, direction, repeat)
             elif name == "naive":
                 if n > naive_max_n or b * h * n * n * 4 > NAIVE_MAX_SCORE_BYTES:
                     continue
-                ms = time_naive(data, causal, direction, repeat)
+                ms = time_attention(naive, data, causal, direction, repeat)
             else:
                 ms = time_torch(TORCH_BACKENDS[name], data, causal, direction, repeat)
         except Exception as err:  # a rival without a kernel for this cell, or out of memory
             log(f"  {name}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
             continue
         finally:
-            cupy.get_default_memory_pool().free_all_blocks()
-            if torch is not None:
-                torch.cuda.empty_cache()
+            free()
         row["tflops"][name] = flops / ms / 1e9
         log(f"  {name:12s} {ms:9.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
     return row
@@ -149,15 +164,43 @@ def print_table(rows, providers):
         print("| " + " | ".join(cells) + " |")
 
 
-def draw_charts(rows, providers, out_dir):
-    """One PNG per dtype: TFLOP/s against N, a panel per (direction, D, causal), a line per provider."""
+def pyplot(missing: str):
+    """matplotlib.pyplot on the Agg backend (files, no display), or None after logging `missing`."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("matplotlib not available: no charts")
+        log(missing)
+        return None
+    return plt
+
+
+def run_meta(repeat: int, cuda_runtime: bool = False, **settings) -> dict:
+    """results.json's "meta": GPU, date, versions (the CUDA runtime's if asked), `repeat`, then `settings`."""
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    meta = {
+        "device": props["name"].decode(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cupy": cupy.__version__,
+    }
+    if cuda_runtime:  # key order as in earlier results.json files: after "cupy"
+        meta["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    meta.update({
+        "torch": torch.__version__ if torch is not None else None,
+        "cudnn": torch.backends.cudnn.version() if torch is not None else None,
+        "python": platform.python_version(),
+        "repeat": repeat,
+        **settings,
+    })
+    return meta
+
+
+def draw_charts(rows, providers, out_dir):
+    """One PNG per dtype: TFLOP/s against N, a panel per (direction, D, causal), a line per provider."""
+    plt = pyplot("matplotlib not available: no charts")
+    if plt is None:
         return
     for dtype in sorted({r["dtype"] for r in rows}):
         mine = [r for r in rows if r["dtype"] == dtype]
@@ -217,17 +260,7 @@ def main():
         args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096]
     os.makedirs(args.out, exist_ok=True)
 
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    meta = {
-        "device": props["name"].decode(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cupy": cupy.__version__,
-        "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
-        "torch": torch.__version__ if torch is not None else None,
-        "cudnn": torch.backends.cudnn.version() if torch is not None else None,
-        "python": platform.python_version(),
-        "repeat": args.repeat,
-    }
+    meta = run_meta(args.repeat, cuda_runtime=True)
     rows = []
     for dtype in args.dtypes:
         for d in args.head_dims:

@@ -22,11 +22,9 @@ CUDA graph. Writes results.json and decode.png; prints the tables.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
 import sys
 
 import numpy as np
@@ -35,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cuflash  # noqa: E402
 import bench_attention  # noqa: E402
-from bench_attention import TORCH_BACKENDS, log, median_ms, torch  # noqa: E402
+from bench_attention import TORCH_BACKENDS, free, log, median_ms, pyplot, queued_ms, run_meta, torch  # noqa: E402
 
 try:
     import cupy
@@ -51,21 +49,6 @@ GRID = {
     "heads": ((32, 32), (32, 8), (64, 8)), "Nk": (4096, 32768, 131072), "Nq": (1, 4),
 }
 QUICK = {"dtype": ("float16",), "D": (128,), "B": (1, 8), "heads": ((32, 8),), "Nk": (32768,), "Nq": (1, 4)}
-
-
-def queued_ms(fn, calls: int = 10, repeat: int = 3) -> float:
-    """Median over `repeat` samples of `calls` calls queued back to back, per call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
-    return float(np.median(times))
 
 
 def timings(fn, repeat: int) -> dict:
@@ -162,12 +145,6 @@ def run_loop(dtype, d, b, hq, hkv, nk) -> dict:
     return result
 
 
-def free():
-    cupy.get_default_memory_pool().free_all_blocks()
-    if torch is not None:
-        torch.cuda.empty_cache()
-
-
 def tbps(row, name, kind):
     t = row["ms"].get(name)
     return row["bytes"] / t[kind] / 1e9 if t else float("nan")
@@ -194,13 +171,8 @@ def print_tables(rows, loops):
 
 
 def draw_chart(rows, out):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib missing: no chart")
+    plt = pyplot("matplotlib missing: no chart")
+    if plt is None:
         return
     names = list(dict.fromkeys(n for r in rows for n in r["ms"]))
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.5), 4.5))
@@ -229,14 +201,7 @@ def main():
         sys.exit(f"decode.py: {err}")
     grid = QUICK if args.quick else GRID
     os.makedirs(args.out, exist_ok=True)
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    meta = {
-        "device": props["name"].decode(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cupy": cupy.__version__, "torch": torch.__version__ if torch is not None else None,
-        "cudnn": torch.backends.cudnn.version() if torch is not None else None,
-        "python": platform.python_version(), "repeat": args.repeat,
-    }
+    meta = run_meta(args.repeat)
     rows, loops = [], []
 
     def save():

@@ -32,7 +32,7 @@ except RuntimeError as err:
 
 import cupy  # noqa: E402
 
-from bench_attention import median_ms  # noqa: I001  (this directory)
+from bench_attention import median_ms, queued_ms  # noqa: I001  (this directory)
 
 
 def host_us(fn, calls):
@@ -45,18 +45,6 @@ def host_us(fn, calls):
     t1 = time.perf_counter()
     cupy.cuda.Device().synchronize()
     return (t1 - t0) / calls * 1e6
-
-
-def queued_ms(fn, calls=30):
-    """Per-call milliseconds with calls queued back to back (host time hidden)."""
-    fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(calls):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / calls
 
 
 def main():
@@ -91,7 +79,7 @@ def main():
     q2, k2, v2, _ = draw(b, h, n, d)
     big = lambda: cuflash.attention(q2, k2, v2)  # noqa: E731
     flops = 4 * b * h * n * n * d
-    synced, queued = median_ms(big, [()], 30), queued_ms(big)
+    synced, queued = median_ms(big, [()], 30), queued_ms(big, calls=30, repeat=1)
     print(f"cuflash fwd D=128 N=2048: synchronized {synced * 1e3:6.1f} us ({flops / synced / 1e9:5.1f} TFLOP/s), "
           f"queued {queued * 1e3:6.1f} us ({flops / queued / 1e9:5.1f} TFLOP/s)")
 

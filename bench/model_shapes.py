@@ -24,10 +24,8 @@ Prints a table, writes results.json and a chart (model_shapes.png, with matplotl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 
 import numpy as np
@@ -36,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cuflash  # noqa: E402
 import bench_attention  # noqa: E402
-from bench_attention import TORCH_BACKENDS, log, median_ms, torch  # noqa: E402
+from bench_attention import TORCH_BACKENDS, free, log, pyplot, run_meta  # noqa: E402
 
 try:
     import cupy
@@ -84,29 +82,12 @@ def expanded(q, k, v, do, hkv):
 
 
 def time_cuflash(data, causal, direction, repeat, **seqs):
-    if direction == "fwd":
-        return median_ms(lambda q, k, v, do: cuflash.attention(q, k, v, causal=causal, **seqs), data, repeat)
-    saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True, **seqs) for q, k, v, do in data]
-    return median_ms(
-        lambda q, k, v, do, out, lse: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, **seqs),
-        saved, repeat,
-    )
+    return bench_attention.time_attention(cuflash, data, causal, direction, repeat, **seqs)
 
 
 def time_torch(backend, data, causal, direction, repeat):
     gqa = data[0][0].shape[1] != data[0][1].shape[1]
-    tdata = [tuple(torch.from_dlpack(x) for x in item) for item in data]
-    sdpa = bench_attention.sdpa
-    with bench_attention.sdpa_kernel(backend):
-        if direction == "fwd":
-            return median_ms(lambda q, k, v, do: sdpa(q, k, v, is_causal=causal, enable_gqa=gqa), tdata, repeat)
-        graphs = []
-        for q, k, v, do in tdata:
-            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            graphs.append((sdpa(q, k, v, is_causal=causal, enable_gqa=gqa), q, k, v, do))
-        return median_ms(
-            lambda out, q, k, v, do: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), graphs, repeat
-        )
+    return bench_attention.time_torch(backend, data, causal, direction, repeat, enable_gqa=gqa)
 
 
 def backward_growth_mib(q, k, v, do, causal):
@@ -121,12 +102,6 @@ def backward_growth_mib(q, k, v, do, causal):
     grown = pool.total_bytes() - before
     del grads
     return grown / 2**20
-
-
-def free():
-    cupy.get_default_memory_pool().free_all_blocks()
-    if torch is not None:
-        torch.cuda.empty_cache()
 
 
 def attempt(rows_tflops, name, f, fn):
@@ -237,13 +212,8 @@ def print_tables(dense, packed):
 
 
 def draw_chart(dense, packed, out_dir):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib not available: no chart")
+    plt = pyplot("matplotlib not available: no chart")
+    if plt is None:
         return
     fig, axes = plt.subplots(2, 1, figsize=(12, 7))
     for ax, direction in zip(axes, ("fwd", "bwd")):
@@ -281,14 +251,7 @@ def main():
         args.shapes = list(QUICK)
         cfg.update(sequences=16, longest=2048)
     os.makedirs(args.out, exist_ok=True)
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    meta = {
-        "device": props["name"].decode(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cupy": cupy.__version__, "torch": torch.__version__ if torch is not None else None,
-        "cudnn": torch.backends.cudnn.version() if torch is not None else None,
-        "python": platform.python_version(), "repeat": args.repeat, "dtype": DTYPE, "packed": cfg,
-    }
+    meta = run_meta(args.repeat, dtype=DTYPE, packed=cfg)
     dense, packed = [], []
 
     def save():

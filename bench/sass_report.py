@@ -3,7 +3,7 @@
     python bench/sass_report.py [--arch sm_90a] [--dump DIR] [NAME_EXPRESSION ...]
 
 Compiles each name expression (default: the float16 forward and backward kernels at head
-dims 64, 128 and 256, as cuflash/_dispatch.py picks them) with NVRTC, disassembles the cubin
+dims 64, 128 and 256, as cuflash/_tiles.py picks them) with NVRTC, disassembles the cubin
 with ``cuobjdump -sass`` (from the CUDA toolkit) and prints, per kernel: tensor-core MMAs
 (HMMA), ldmatrix (LDSM), async copies (LDGSTS), exp2 (MUFU.EX2), float multiplies and FMAs,
 barriers, and local-memory traffic (LDL/STL, which must be 0). ``--dump`` keeps the SASS.
@@ -23,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cuflash import _compile, _dispatch, _gpu  # noqa: E402
+from cuflash import _compile, _gpu, _tiles  # noqa: E402
 
 try:   # NVRTC through CuPy; no GPU needed
     from cupy_backends.cuda.libs import nvrtc
@@ -36,8 +36,8 @@ COUNTED = ("HGMMA", "HMMA", "LDSM", "LDGSTS", "MUFU.EX2", "FMUL", "FFMA", "FADD"
 def default_names():
     names = []
     for d in (64, 128, 256):
-        names.append(_dispatch.fwd_name("float16", _dispatch.fwd_tiles("float16", d)))
-        names.extend(_dispatch.bwd_names("float16", _dispatch.bwd_tiles("float16", d))[1:])
+        names.append(_tiles.fwd_name("float16", _tiles.fwd_tiles("float16", d)))
+        names.extend(_tiles.bwd_names("float16", _tiles.bwd_tiles("float16", d))[1:])
     return names
 
 

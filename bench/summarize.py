@@ -1,11 +1,12 @@
 """The README's performance table from a grid run's results.json.
 
-    python bench/summarize.py bench/results/<run>/results.json [--min-n 2048]
+    python bench/summarize.py bench/results/<run>/results.json [--min-n 2048] [--against OTHER.json]
 
 Per (D, causal, direction): the range over N >= --min-n of cuflash / FlashAttention-2 for
 each dtype, of cuflash / cuDNN over both dtypes, and the TFLOP/s at the largest N; then the
 cells where cuflash trails FlashAttention-2 (target: at least 1.0, 0.9 at D = 256).
-Needs no GPU.
+--against: each cell of every N against another run's (cuflash and FlashAttention-2 each
+against their own there): the median and the least per (D, causal, direction). Needs no GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="results.json of bench/bench_attention.py")
     ap.add_argument("--min-n", type=int, default=2048, help="smallest N in the ranges (default: 2048)")
+    ap.add_argument("--against", help="results.json of an earlier run to compare every cell with")
     args = ap.parse_args(argv)
     with open(args.results) as f:
         rows = json.load(f)["rows"]
@@ -54,6 +56,27 @@ def main(argv=None):
     for r in below:
         print(f"below target: {r['dtype']} D={r['D']} causal={r['causal']} {r['direction']} N={r['N']} "
               f"{ratio(r, 'torch-flash'):.2f}")
+    if args.against:
+        with open(args.against) as f:
+            compare(rows, json.load(f)["rows"], keys)
+
+
+def compare(rows, earlier, keys):
+    """Each cell's TFLOP/s over the earlier run's, for cuflash and FlashAttention-2."""
+    cell = lambda r: (r["dtype"], r["D"], r["causal"], r["direction"], r["N"])  # noqa: E731
+    before = {cell(r): r for r in earlier}
+    print("\n| D | causal | dir | cuflash / earlier: median, least (cell) | FA2 / earlier: median |")
+    print("|---|---|---|---|---|")
+    for d, causal, direction in keys:
+        pairs = [(r, before[cell(r)]) for r in rows
+                 if (r["D"], r["causal"], r["direction"]) == (d, causal, direction) and cell(r) in before]
+        if not pairs:
+            continue
+        ours = sorted((now["tflops"]["cuflash"] / old["tflops"]["cuflash"], now) for now, old in pairs)
+        fa2 = sorted(now["tflops"]["torch-flash"] / old["tflops"]["torch-flash"] for now, old in pairs)
+        least, r = ours[0]
+        print(f"| {d} | {'yes' if causal else 'no'} | {direction} | {ours[len(ours) // 2][0]:.2f}, {least:.2f} "
+              f"({r['dtype']} N = {r['N']}) | {fa2[len(fa2) // 2]:.2f} |")
 
 
 if __name__ == "__main__":

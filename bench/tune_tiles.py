@@ -1,5 +1,5 @@
 """Times candidate tile shapes of the forward and backward kernels, to choose the table in
-cuflash/_dispatch.py by measurement.
+cuflash/_tiles.py by measurement.
 
     python bench/tune_tiles.py [--dtype float16] [--seqlen 4096 ...] [--head-dims 64 128 256]
                                [--direction fwd bwd]
@@ -28,8 +28,8 @@ except RuntimeError as err:
 import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402,F401
 
-from cuflash import _compile, _dispatch, _plans
-from cuflash._dispatch import BwdTiles, FwdTiles, Sm90BwdTiles, Sm90FwdTiles
+from cuflash import _compile, _dispatch, _plans, _tiles
+from cuflash._tiles import BwdTiles, FwdTiles, Sm90BwdTiles, Sm90FwdTiles
 from bench_attention import median_ms  # noqa: I001  (this directory)
 
 # (block_m, block_n, warps) and (dcol, step, warps) per head dim, for 16-bit types
@@ -52,7 +52,7 @@ SM90_FWD_CANDIDATES = {
 def hopper_fwd(d, *cand):
     """A Hopper forward candidate as the tiles hopper_fwd_tiles returns."""
     if cand[0] == "ws":
-        return _dispatch.Sm90WsFwdTiles(d, *cand[1:])
+        return _tiles.Sm90WsFwdTiles(d, *cand[1:])
     return Sm90FwdTiles(d, *cand)
 # (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages]) of the Hopper backward
 # (three or more stages: a step's gradient products run during the next step; one warpgroup

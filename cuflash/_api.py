@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import types
 
-from . import _checks, _dispatch, _plans
+from . import _checks, _dispatch, _launch, _plans
 
 _CURRENT = contextlib.nullcontext()
 
@@ -30,7 +31,7 @@ def _tile_lists(cupy, launches):
     return {index: cupy.empty((capacity, 2), dtype=cupy.int32) for index, capacity in launches.tile_lists}
 
 
-_NO_LISTS: dict = {}   # (read only)
+_NO_LISTS = types.MappingProxyType({})
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
@@ -102,7 +103,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
         lse = cupy.empty(plan.shapes[1], dtype=cupy.float32)
         lists = _tile_lists(cupy, plan.launches)
-        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_dispatch.Q_TILES))
+        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES))
         for launch in plan.launches.runs:
             launch.run(arrays)
         if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0
@@ -151,7 +152,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         if plan.launches.runs:
             delta = cupy.empty(plan.shapes[3], dtype=cupy.float32)
             lists = _tile_lists(cupy, plan.launches)
-            tiles = (lists.get(_dispatch.Q_TILES), lists.get(_dispatch.K_TILES))
+            tiles = (lists.get(_launch.Q_TILES), lists.get(_launch.K_TILES))
             arrays = (q, k, v, out, lse, cu_q, cu_k, *tiles, dout, delta, dq, dk, dv)
             for launch in plan.launches.runs:
                 launch.run(arrays)

@@ -17,7 +17,7 @@ import numbers
 import threading
 from dataclasses import dataclass
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _launch
 
 MAX_PLANS = 512   # beyond this many signatures the cache starts over
 
@@ -29,7 +29,7 @@ _lock = threading.Lock()
 class Plan:
     device: int  # q's device: where the outputs live and the kernels run
     shapes: tuple[tuple[int, ...], ...]  # of the outputs: out and lse, or dq, dk, dv and delta
-    launches: _dispatch.Launches
+    launches: _launch.Launches
     # the kernels' dk and dv shapes as (before, split, after) K/V entries (grouped), or None
     dkdv_entries: tuple[int, int, int] | None = None
 
@@ -108,7 +108,7 @@ def forward(q, k, v, causal, window, scale, packed=None):
         return plan, (q, k, v) + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
     x = _checks.attention_inputs(q, k, v, causal, window, scale, packed)
     with x.q.device:
-        launches = _dispatch.forward_launches(x) if x.batch_size and x.nq else _dispatch.Launches(())
+        launches = _dispatch.forward_launches(x) if x.batch_size and x.nq else _launch.Launches(())
     plan = Plan(x.q.device.id, (x.batch_shape + (x.nq, x.dv), x.batch_shape + (x.nq,)), launches)
     if x.q is q and x.k is k and x.v is v and _same_offsets(x, packed):
         _keep(key, plan)
@@ -127,7 +127,7 @@ def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None):
     cupy = _checks.require_cupy()
     out2, dout2, lse2 = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
     with x.q.device:
-        launches = _dispatch.backward_launches(x) if x.batch_size and x.nq and x.nk else _dispatch.Launches(())
+        launches = _dispatch.backward_launches(x) if x.batch_size and x.nq and x.nk else _launch.Launches(())
     shape, entries = x.batch_shape, launches.dkdv_entries
     if entries is None:
         k_rows, v_rows = shape, shape
@@ -149,7 +149,7 @@ def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None):
 @dataclass(frozen=True)
 class KVCachePlan:
     device: int
-    launches: _dispatch.KVCacheLaunches
+    launches: _launch.KVCacheLaunches
 
 
 def _kvcache_signature(arrays, cache_seqlens, block_table, causal, window, scale, num_splits, check):

@@ -17,7 +17,7 @@ import pytest
 from conftest import GPU_MISSING, poisoned_allocations, requires_gpu
 
 import cuflash
-from cuflash import _checks, _dispatch
+from cuflash import _checks, _launch
 from cuflash._mask import normalize_window
 
 
@@ -306,11 +306,20 @@ def no_launch(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(_dispatch.Launch, "run", launched)
+    monkeypatch.setattr(_launch.Launch, "run", launched)
 
 
 def good(cupy, shape=(2, 5, 64), dtype="float16"):
     return cupy.zeros(shape, dtype=dtype)
+
+
+def unsupported_dtype(names, dtype):
+    """A FORWARD_CASES case: the arrays `names` (of "qkv") in `dtype`; the first of them is named."""
+    return (
+        lambda cp: {n: good(cp, dtype=dtype) for n in names},
+        TypeError,
+        [f"{names[0]} must have dtype float16, bfloat16 or float32, got {dtype}"],
+    )
 
 
 # Each case: a function of the cupy module giving the (q, k, v) changes and keyword arguments,
@@ -326,26 +335,10 @@ FORWARD_CASES = {
         TypeError,
         ["v must be a cupy.ndarray, got list", "cupy.asarray(v)"],
     ),
-    "float64": (
-        lambda cp: {n: good(cp, dtype="float64") for n in "qkv"},
-        TypeError,
-        ["q must have dtype float16, bfloat16 or float32, got float64"],
-    ),
-    "int32": (
-        lambda cp: {"k": good(cp, dtype="int32")},
-        TypeError,
-        ["k must have dtype float16, bfloat16 or float32, got int32"],
-    ),
-    "bool": (
-        lambda cp: {"v": good(cp, dtype="bool")},
-        TypeError,
-        ["v must have dtype float16, bfloat16 or float32, got bool"],
-    ),
-    "complex64": (
-        lambda cp: {"q": good(cp, dtype="complex64")},
-        TypeError,
-        ["q must have dtype float16, bfloat16 or float32, got complex64"],
-    ),
+    "float64": unsupported_dtype("qkv", "float64"),
+    "int32": unsupported_dtype("k", "int32"),
+    "bool": unsupported_dtype("v", "bool"),
+    "complex64": unsupported_dtype("q", "complex64"),
     "mixed": (
         lambda cp: {"k": good(cp, dtype="float32")},
         TypeError,
@@ -442,6 +435,15 @@ def test_backward_checks_its_inputs_like_the_forward(no_launch, case):
         cuflash.attention_backward(dout, q, k, v, out, lse, **kwargs)
 
 
+def mismatched(name, shape, dtype, want=((2, 5, 64), "float16")):
+    """A BACKWARD_CASES case: `name` given with `shape` and `dtype` where `want` (shape, dtype) is due."""
+    return (
+        lambda cp: {name: good(cp, shape, dtype)},
+        ValueError,
+        [f"{name} must have shape {want[0]} and dtype {want[1]}", f"got shape {shape} and dtype {dtype}"],
+    )
+
+
 # (dout, out, lse) changes for q, k, v of shape (2, 5, 64) float16, broadcast against k, v (1, 5, 64)
 BACKWARD_CASES = {
     "dout-numpy": (
@@ -459,36 +461,12 @@ BACKWARD_CASES = {
         TypeError,
         ["lse must be a cupy.ndarray", "cupy.asarray(lse)"],
     ),
-    "out-shape": (
-        lambda cp: {"out": good(cp, (1, 5, 64))},
-        ValueError,
-        ["out must have shape (2, 5, 64) and dtype float16", "got shape (1, 5, 64) and dtype float16"],
-    ),
-    "out-dtype": (
-        lambda cp: {"out": good(cp, dtype="float32")},
-        ValueError,
-        ["out must have shape (2, 5, 64) and dtype float16", "got shape (2, 5, 64) and dtype float32"],
-    ),
-    "dout-shape": (
-        lambda cp: {"dout": good(cp, (2, 5, 32))},
-        ValueError,
-        ["dout must have shape (2, 5, 64) and dtype float16", "got shape (2, 5, 32) and dtype float16"],
-    ),
-    "dout-dtype": (
-        lambda cp: {"dout": good(cp, dtype="float64")},
-        ValueError,
-        ["dout must have shape (2, 5, 64) and dtype float16", "got shape (2, 5, 64) and dtype float64"],
-    ),
-    "lse-dtype": (
-        lambda cp: {"lse": good(cp, (2, 5))},
-        ValueError,
-        ["lse must have shape (2, 5) and dtype float32", "got shape (2, 5) and dtype float16"],
-    ),
-    "lse-shape": (
-        lambda cp: {"lse": cp.zeros((2, 5, 1), dtype=cp.float32)},
-        ValueError,
-        ["lse must have shape (2, 5) and dtype float32", "got shape (2, 5, 1) and dtype float32"],
-    ),
+    "out-shape": mismatched("out", (1, 5, 64), "float16"),
+    "out-dtype": mismatched("out", (2, 5, 64), "float32"),
+    "dout-shape": mismatched("dout", (2, 5, 32), "float16"),
+    "dout-dtype": mismatched("dout", (2, 5, 64), "float64"),
+    "lse-dtype": mismatched("lse", (2, 5), "float16", want=((2, 5), "float32")),
+    "lse-shape": mismatched("lse", (2, 5, 1), "float32", want=((2, 5), "float32")),
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuflash import _checks, _compile, _dispatch, _params
+from cuflash import _checks, _compile, _dispatch, _params, _tiles
 
 
 def test_kernel_source_has_every_file():
@@ -20,60 +20,60 @@ def test_kernel_source_has_every_file():
 
 
 def test_specializations_cover_every_dtype_and_bucket():
-    names = _dispatch.all_specializations()
-    n_types, n_dims = len(_dispatch.ELEMENT_TYPES), len(_dispatch.HEAD_DIM_BUCKETS)
+    names = _tiles.all_specializations()
+    n_types, n_dims = len(_tiles.ELEMENT_TYPES), len(_tiles.HEAD_DIM_BUCKETS)
     # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta, the sum of
     # grouped partials and merge_attention; the tile-list builder; and the KV-cache kernels
-    decode = _dispatch.decode_specializations()
+    decode = _tiles.decode_specializations()
     assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 3) + 1 + len(decode)
-    for dt, (elem, item) in _dispatch.ELEMENT_TYPES.items():
+    for dt, (elem, item) in _tiles.ELEMENT_TYPES.items():
         assert f"cuflash::kvcache_append<{elem}>" in decode and f"cuflash::combine_splits<{elem}>" in decode
-        for hd in _dispatch.HEAD_DIM_BUCKETS:
-            if _dispatch.decode_supported(hd, item):
+        for hd in _tiles.HEAD_DIM_BUCKETS:
+            if _tiles.decode_supported(hd, item):
                 for rows in (1, 20):
-                    block_rows = _dispatch.decode_rows(hd, rows, item)
-                    assert _dispatch.decode_smem(hd, block_rows, item) <= 227 * 1024
-                    assert _dispatch.decode_name(dt, hd, block_rows, _dispatch.decode_stages(hd, item)) in decode
-    for dt in _dispatch.ELEMENT_TYPES:
-        for hd in _dispatch.HEAD_DIM_BUCKETS:
-            item = _dispatch.ELEMENT_TYPES[dt][1]
+                    block_rows = _tiles.decode_rows(hd, rows, item)
+                    assert _tiles.decode_smem(hd, block_rows, item) <= 227 * 1024
+                    assert _tiles.decode_name(dt, hd, block_rows, _tiles.decode_stages(hd, item)) in decode
+    for dt in _tiles.ELEMENT_TYPES:
+        for hd in _tiles.HEAD_DIM_BUCKETS:
+            item = _tiles.ELEMENT_TYPES[dt][1]
             for packed in (False, True):
-                assert _dispatch.fwd_tiles(dt, hd, packed).smem_bytes(item) <= 227 * 1024
-                assert _dispatch.fwd_name(dt, _dispatch.fwd_tiles(dt, hd, packed), packed) in names
-            assert _dispatch.bwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
+                assert _tiles.fwd_tiles(dt, hd, packed).smem_bytes(item) <= 227 * 1024
+                assert _tiles.fwd_name(dt, _tiles.fwd_tiles(dt, hd, packed), packed) in names
+            assert _tiles.bwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
 
 
 def test_hopper_specializations_fit_shared_memory():
-    names = _dispatch.all_specializations("sm_90a")
-    portable = set(_dispatch.all_specializations())
+    names = _tiles.all_specializations("sm_90a")
+    portable = set(_tiles.all_specializations())
     # on sm_90a the portable kernels remain only where no Hopper kernel exists (float32, odd buckets)
     assert all("_sm90" not in n for n in portable) and any("_sm90<" in n for n in names)
     assert any("_sm90_ws<" in n for n in names)
     assert {n for n in names if "_sm90" not in n} < portable
     for dt in ("float16", "bfloat16"):
-        for hd in _dispatch.HEAD_DIM_BUCKETS:
-            fwd, bwd = _dispatch.sm90_fwd_tiles(dt, hd), _dispatch.sm90_bwd_tiles(dt, hd)
+        for hd in _tiles.HEAD_DIM_BUCKETS:
+            fwd, bwd = _tiles.sm90_fwd_tiles(dt, hd), _tiles.sm90_bwd_tiles(dt, hd)
             assert (fwd is None) == (bwd is None) == (hd % 64 != 0 or hd == 192)
             if fwd is not None:
                 for packed in (False, True):
                     # every kernel the forward picks, by keys per tile, is compiled and fits
                     for keys in (64, 100, 128, 200, 1000, 5000):
-                        tiles = _dispatch.hopper_fwd_tiles(dt, hd, keys)
-                        assert _dispatch.hopper_fwd_name(dt, tiles, packed) in names
+                        tiles = _tiles.hopper_fwd_tiles(dt, hd, keys)
+                        assert _tiles.hopper_fwd_name(dt, tiles, packed) in names
                         assert tiles.smem_bytes(2) <= 232448
-                    assert set(_dispatch.sm90_bwd_names(dt, bwd, packed)) <= set(names)
-                ws = _dispatch.sm90_ws_fwd_tiles(dt, hd, 5000)
+                    assert set(_tiles.sm90_bwd_names(dt, bwd, packed)) <= set(names)
+                ws = _tiles.sm90_ws_fwd_tiles(dt, hd, 5000)
                 assert (ws is not None) == (hd in (64, 128))
-                assert (_dispatch.sm90_ws_fwd_tiles(dt, hd, 100) is not None) == (hd == 128)
+                assert (_tiles.sm90_ws_fwd_tiles(dt, hd, 100) is not None) == (hd == 128)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
-    assert _dispatch.sm90_fwd_tiles("float32", 64) is None
+    assert _tiles.sm90_fwd_tiles("float32", 64) is None
 
 
 def test_head_dim_bucket():
-    assert _dispatch.head_dim_bucket(0, 0) == 32
-    assert _dispatch.head_dim_bucket(72, 8) == 96
-    assert _dispatch.head_dim_bucket(64, 136) == 192
+    assert _tiles.head_dim_bucket(0, 0) == 32
+    assert _tiles.head_dim_bucket(72, 8) == 96
+    assert _tiles.head_dim_bucket(64, 136) == 192
 
 
 def test_params_record_is_all_8_byte_fields():

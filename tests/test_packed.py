@@ -360,10 +360,11 @@ def test_grouped_backward_split_groups(hq, hkv):
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 @pytest.mark.parametrize("d", (64, 128))
 @pytest.mark.parametrize("mask", ({}, {"causal": True}, {"window": (40, 3)}))
-def test_blocks_that_run_several_short_tiles(dtype, d, mask):
-    """Many short sequences, dense and packed: more tiles than fit the GPU at once, so that
-    each block of the Hopper forward runs several in turn (cuflash/_dispatch.py: hopper_fwd_tiles;
-    at D = 128 the kernel with a loading warpgroup)."""
+def test_many_short_tiles(dtype, d, mask):
+    """Many short sequences, dense and packed: more tiles than fit the GPU at once (on Hopper at
+    D = 128 each block of the forward with a loading warpgroup runs several in turn; at D = 64,
+    with at most 128 keys, blocks of one warpgroup run one tile each; cuflash/_tiles.py:
+    hopper_fwd_tiles)."""
     rng = np.random.default_rng(d)
     b, h, n = 40, 8, (100 if d == 64 else 190)   # keys short enough for blocks that run several tiles
     q, k, v = (random_array(rng, (b, h, n, d), dtype, 2.0) for _ in range(3))

@@ -11,7 +11,7 @@ Usage (from any directory, with cuflash and its ``cuda12`` extra installed)::
 No GPU is needed: NVRTC (from the ``nvidia-cuda-nvrtc-cu12`` wheel, reached through
 CuPy's ``cupy_backends.cuda.libs.nvrtc``) compiles straight to a cubin. The source is
 ``cuflash._compile.kernel_source()``, the options are ``cuflash._compile.nvrtc_options(arch)``
-plus ``-Xptxas=-v``, and the kernels are ``cuflash._dispatch.all_specializations(arch)``.
+plus ``-Xptxas=-v``, and the kernels are ``cuflash._tiles.all_specializations(arch)``.
 Each (arch, name expression) pair is a separate NVRTC program, compiled in a process pool.
 
 A kernel fails when
@@ -243,18 +243,18 @@ def judge(res: Result) -> None:
 def _load_project():
     """Import the real cuflash modules, from the installed package or from this checkout."""
     try:
-        from cuflash import _compile, _dispatch
+        from cuflash import _compile, _tiles
     except ImportError:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         sys.path.insert(0, root)
         try:
-            from cuflash import _compile, _dispatch
+            from cuflash import _compile, _tiles
         except ImportError as exc:
             sys.exit(
                 f"check_kernels: cannot import cuflash ({exc}); install it first, e.g. "
                 'python -m pip install ".[cuda12,test]"'
             )
-    return _compile, _dispatch
+    return _compile, _tiles
 
 
 def _fmt(v) -> str:
@@ -310,12 +310,12 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    _compile, _dispatch = _load_project()
+    _compile, _tiles = _load_project()
 
-    names_by_arch = {arch: list(dict.fromkeys(_dispatch.all_specializations(arch)))
+    names_by_arch = {arch: list(dict.fromkeys(_tiles.all_specializations(arch)))
                      for arch in args.arch}
     if not all(names_by_arch.values()):
-        print("check_kernels: FAIL: cuflash._dispatch.all_specializations() is empty",
+        print("check_kernels: FAIL: cuflash._tiles.all_specializations() is empty",
               file=sys.stderr)
         return 1
     if args.filter:

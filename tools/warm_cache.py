@@ -33,13 +33,13 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     import cuflash
-    from cuflash import _compile, _dispatch
+    from cuflash import _compile, _tiles
 
     try:
         cuflash.require_gpu()
     except RuntimeError as err:
         sys.exit(f"warm_cache.py: {err}")
-    names = _dispatch.all_specializations(_compile.current_arch())
+    names = _tiles.all_specializations(_compile.current_arch())
     start = time.perf_counter()
     with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
         for _ in pool.map(compile_one, names):

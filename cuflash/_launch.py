@@ -1,0 +1,178 @@
+"""How a call's kernels are launched: the parameter records kept per plan, filled with each
+call's pointers and launched through the driver, and the occupancy that sizes grids."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _params
+
+# The arrays of a call, in the order the launches' ``fields`` index them: a record's
+# pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
+FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles")
+BWD_ARRAYS = FWD_ARRAYS + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
+FWD_FIELDS = tuple(range(8))
+DQ_FIELDS = tuple(range(8)) + tuple(range(9, 14))
+DKDV_FIELDS = tuple(range(7)) + tuple(range(8, 14))
+Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
+CU_SEQLENS_Q, CU_SEQLENS_K = FWD_ARRAYS.index("cu_seqlens_q"), FWD_ARRAYS.index("cu_seqlens_k")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a call: everything but the data pointers, which ``run``
+    writes into the kept parameter record from the call's arrays before launching
+    through the driver (cuLaunchKernel, with the record as its one parameter)."""
+
+    fn: object
+    grid: tuple[int, ...]
+    threads: int
+    smem: int
+    params: np.ndarray  # AttnParams, BwdParams or DecodeParams, pointers 0
+    fields: tuple[int, ...] = FWD_FIELDS  # the record's pointers, as indices into the arrays
+
+    def __post_init__(self):
+        # the record as launches read it, built once per plan rather than per call
+        object.__setattr__(self, "_record", _params.Record(self.params))
+        object.__setattr__(self, "_function", self.fn.kernel.ptr)
+        object.__setattr__(self, "_grid", tuple(self.grid) + (1,) * (3 - len(self.grid)))
+        pick = operator.itemgetter(*self.fields)
+        object.__setattr__(self, "_pick", pick if len(self.fields) > 1 else lambda arrays: (pick(arrays),))
+
+    def run(self, arrays) -> None:
+        """Launches on the current stream; ``arrays`` holds CuPy arrays, raw pointers (int)
+        or None (a null pointer)."""
+        cupy, driver = _launch_modules()
+        pointers = [0 if a is None else a if type(a) is int else a.data.ptr for a in self._pick(arrays)]
+        record, (gx, gy, gz) = self._record, self._grid
+        stream = cupy.cuda.get_current_stream().ptr
+        with record.lock:
+            record.fill(pointers)
+            driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
+                                record.kernel_params, 0)
+
+
+_modules: tuple = ()
+
+
+def _launch_modules():
+    """(cupy, CuPy's driver bindings), imported once: a launch is on every call's path."""
+    global _modules
+    if not _modules:
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        _modules = (cupy, driver)
+    return _modules
+
+
+@dataclass(frozen=True)
+class TileListLaunch:
+    """Builds the tile list ``arrays[index]`` of a launch over packed sequences
+    (kernels/attention/schedule.cuh), from the offsets alone: no host synchronization."""
+
+    fn: object
+    args: tuple  # num_seqs, total_q, total_k, block, by_keys, heavy_last (int32)
+    index: int
+    capacity: int
+
+    def run(self, arrays) -> None:
+        cu_q, cu_k = arrays[CU_SEQLENS_Q], arrays[CU_SEQLENS_K]
+        self.fn((1,), (_params.SCHEDULE_THREADS,), (cu_q, cu_k, *self.args, arrays[self.index], np.int32(self.capacity)))
+
+
+@dataclass(frozen=True)
+class Launches:
+    """What a call runs, in order, and the tile lists to allocate for it
+    (rows of two int32: sequence, block), as (index into the arrays, capacity)."""
+
+    runs: tuple
+    tile_lists: tuple[tuple[int, int], ...] = ()
+    # grouped dk/dv: the kernels' dk and dv are (before, split, after, nk, d) over the
+    # K/V entries, summed over `split` partial groups when split > 1; None: not grouped
+    dkdv_entries: tuple[int, int, int] | None = None
+
+
+_occupancy: dict = {}
+
+
+def blocks_per_sm(fn, threads: int, smem: int) -> int:
+    """How many blocks of ``fn`` fit on one multiprocessor at once, by its registers, its
+    shared memory and its threads (the occupancy rules of compute capability 8.0 and 9.0:
+    registers in units of 256 per warp, 1 KB of shared memory reserved per block)."""
+    key = (fn.num_regs, threads, smem)
+    n = _occupancy.get(key)
+    if n is None:
+        import cupy
+
+        attrs = cupy.cuda.Device().attributes
+        warps = -(-threads // 32)
+        regs_per_warp = -(-fn.num_regs * 32 // 256) * 256
+        n = min(
+            attrs["MaxRegistersPerMultiprocessor"] // max(1, warps * regs_per_warp),
+            attrs["MaxSharedMemoryPerMultiprocessor"] // (smem + 1024),
+            attrs["MaxThreadsPerMultiProcessor"] // threads,
+        )
+        n = _occupancy[key] = max(1, n)
+    return n
+
+
+_sm_counts: dict = {}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _sm_counts[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    return n
+
+
+def decode_slots(fn, smem: int) -> int:
+    """Blocks of the decoding kernel ``fn`` resident on the whole GPU at once (the driver's
+    occupancy at 128 threads and ``smem`` bytes, times the SMs)."""
+    key = (id(fn), smem)
+    slots = _decode_slots.get(key)
+    if slots is None:
+        from cupy_backends.cuda.api import driver
+
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, 128, smem)
+        slots = _decode_slots[key] = max(1, per_sm) * sm_count()
+    return slots
+
+
+_decode_slots: dict = {}
+
+
+@dataclass(frozen=True)
+class KVCacheLaunches:
+    """What an attention_kvcache call runs: the append (if any), the decoding kernel and
+    the merge of its splits (if any), over the arrays of DECODE_POINTERS; and what to
+    allocate: out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)),
+    lse, and the float32 partials of the splits."""
+
+    runs: tuple
+    out_shape: tuple[int, ...]
+    parts: tuple[int, int, int] | None   # (splits, rows, dv)
+
+    def run(self, cupy, dtype, q, k, v, seqlens, block_table, k_new, v_new):
+        out = cupy.empty(self.out_shape, dtype=dtype)
+        lse = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
+        parts = part_out = part_lse = None
+        if self.parts is not None:   # one allocation: the float32 partial outputs, then their lse
+            splits, rows, dv = self.parts
+            parts = cupy.cuda.alloc(splits * rows * (dv + 1) * 4)
+            part_out, part_lse = parts.ptr, parts.ptr + splits * rows * dv * 4
+        arrays = (q, k, v, out, lse, seqlens, block_table, part_out, part_lse, k_new, v_new)
+        for launch in self.runs:
+            launch.run(arrays)
+        return out, lse
+
+
+DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
