@@ -101,7 +101,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
-        lse = cupy.empty(plan.shapes[1], dtype=cupy.float32)
+        # without return_lse the kernels write lse where nobody reads it (no allocation)
+        lse = (cupy.empty(plan.shapes[1], dtype=cupy.float32) if return_lse
+               else _launch.sink(cupy, plan.device, 4 * out.size // max(1, plan.shapes[0][-1])))
         lists = _tile_lists(cupy, plan.launches)
         arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES))
         for launch in plan.launches.runs:
@@ -288,5 +290,6 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check)
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
-        out, lse = plan.launches.run(cupy, q_.dtype, q_, k_, v_, seqlens, table, k_new_, v_new_)
+        out, lse = plan.launches.run(cupy, plan.device, q_.dtype, return_lse, q_, k_, v_, seqlens, table, k_new_,
+                                     v_new_)
     return (out, lse) if return_lse else out

@@ -4,6 +4,7 @@ call's pointers and launched through the driver, and the occupancy that sizes gr
 from __future__ import annotations
 
 import operator
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,18 +162,43 @@ class KVCacheLaunches:
     out_shape: tuple[int, ...]
     parts: tuple[int, int, int] | None   # (splits, rows, dv)
 
-    def run(self, cupy, dtype, q, k, v, seqlens, block_table, k_new, v_new):
+    def run(self, cupy, device, dtype, return_lse, q, k, v, seqlens, block_table, k_new, v_new):
+        """(out, lse) of a call on ``device`` (current); lse None without ``return_lse``."""
         out = cupy.empty(self.out_shape, dtype=dtype)
-        lse = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
+        if return_lse:
+            lse = lse_ptr = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
+        else:
+            lse, lse_ptr = None, sink(cupy, device, 4 * out.size // max(1, self.out_shape[-1]))
         parts = part_out = part_lse = None
         if self.parts is not None:   # one allocation: the float32 partial outputs, then their lse
             splits, rows, dv = self.parts
             parts = cupy.cuda.alloc(splits * rows * (dv + 1) * 4)
             part_out, part_lse = parts.ptr, parts.ptr + splits * rows * dv * 4
-        arrays = (q, k, v, out, lse, seqlens, block_table, part_out, part_lse, k_new, v_new)
+        arrays = (q, k, v, out, lse_ptr, seqlens, block_table, part_out, part_lse, k_new, v_new)
         for launch in self.runs:
             launch.run(arrays)
         return out, lse
 
 
 DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
+
+
+_sinks: dict = {}   # device -> (pointer, bytes, every buffer handed out on it)
+_sinks_lock = threading.Lock()
+
+
+def sink(cupy, device: int, nbytes: int) -> int:
+    """A pointer to at least ``nbytes`` of ``device`` memory (the current device) that kernels
+    may write and nothing reads: for an output a call does not return (the lse of a forward
+    without return_lse), in place of an allocation per call. Concurrent writers cannot harm
+    what nobody reads. One buffer per device, grown as needed; a replaced one is kept, since
+    kernels queued or captured in a CUDA graph may still write to it."""
+    entry = _sinks.get(device)
+    if entry is None or entry[1] < nbytes:
+        with _sinks_lock:
+            entry = _sinks.get(device)
+            if entry is None or entry[1] < nbytes:
+                size = max(nbytes, 2 * entry[1] if entry else 1 << 16)
+                memory = cupy.cuda.alloc(size)
+                entry = _sinks[device] = (memory.ptr, size, (entry[2] if entry else ()) + (memory,))
+    return entry[0]

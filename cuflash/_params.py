@@ -34,6 +34,8 @@ PARAMS_DTYPE = np.dtype(
         ("q_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
         ("k_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
         ("v_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
+        ("batch_div", np.int64, (MAX_BATCH_DIMS,)),
+        ("entries_div", np.int64), ("group_div", np.int64), ("grid_div", np.int64),
     ]
 )
 
@@ -71,6 +73,16 @@ def decode_params(**fields) -> np.ndarray:
     if fields:
         raise TypeError(f"not fields of DecodeParams: {sorted(fields)}")
     return np.array([values], dtype=DECODE_PARAMS_DTYPE)
+
+
+def fast_divisor(d: int) -> int:
+    """The constant of params.cuh's fast_div for divisor d (dividends below 2**31): with
+    l = ceil(log2 d) and m = ceil(2**(31 + l) / d), n // d == (n * m >> 32) >> (l - 1),
+    packed as m | (l - 1) << 32; 0 for d = 1 (the dividend itself)."""
+    if d <= 1:
+        return 0
+    log = (d - 1).bit_length()
+    return -(-(1 << (31 + log)) // d) | (log - 1) << 32
 
 
 # What the batch entries of one group of the grid order may read (K and V, or Q
@@ -173,6 +185,7 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
     n = len(layout.shape)
     pad = (0,) * (MAX_BATCH_DIMS - n)
     q_strides, k_strides, v_strides = (tuple(st) + pad for st in layout.strides)
+    group, m_blocks = grid_group(x, layout.entries), -(-x.nq // block_m)
     return (
         0, 0, 0, 0, 0, 0, 0, 0,
         *x.row_strides,
@@ -180,7 +193,9 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
         unbounded if x.left is None else min(x.left, unbounded),
         unbounded if x.right is None else min(x.right, unbounded),
         x.scale * math.log2(math.e),
-        -(-x.nq // block_m), 0, layout.entries, grid_group(x, layout.entries),
+        m_blocks, 0, layout.entries, group,
         layout.group_size, layout.group_inner, layout.q_group_stride,
         n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides,
+        tuple(fast_divisor(d) for d in layout.shape) + pad,
+        fast_divisor(layout.entries), fast_divisor(group), fast_divisor(group * m_blocks),
     )

@@ -220,6 +220,20 @@ def test_deterministic():
     assert cupy.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+@pytest.mark.parametrize("d, nk", [(64, 100), (128, 300), (256, 77)])
+def test_out_without_lse_is_the_same(d, nk):
+    """Without return_lse the kernels write lse where nobody reads it; out is bitwise the same,
+    and a call with it right after still gets its own lse."""
+    rng = np.random.default_rng(d + nk)
+    q = random_array(rng, (2, 3, 90, d), "float16")
+    k, v = (random_array(rng, (2, 3, nk, d), "float16") for _ in range(2))
+    alone = cuflash.attention(q, k, v, causal=True)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert cupy.array_equal(alone.view(np.uint16), out.view(np.uint16))
+    _, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=True, return_lse=True)
+    assert_lse_close(cupy.asnumpy(lse), r_lse)
+
+
 def test_current_stream():
     rng = np.random.default_rng(7)
     q, k, v = (random_array(rng, (2, 4, 1000, 64), "float16") for _ in range(3))

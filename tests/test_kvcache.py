@@ -126,6 +126,12 @@ def test_paged_equals_contiguous(page_size):
     a = cuflash.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1)
     b = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=cupy.asarray(table), num_splits=1)
     assert np.array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+    # with splits, and with and without lse (then written where nobody reads it): the same out
+    c = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=cupy.asarray(table), num_splits=3)
+    d, lse = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=cupy.asarray(table),
+                                       num_splits=3, return_lse=True)
+    assert np.array_equal(cupy.asnumpy(c), cupy.asnumpy(d)) and lse.shape == q.shape[:-1]
+    assert np.isfinite(cupy.asnumpy(lse)).all()
 
 
 def test_refused_call_writes_nothing():

@@ -125,6 +125,25 @@ def test_merged_batch_layout_addresses_the_same_elements(case):
             assert offset == expected
 
 
+def _fast_div(n, magic):
+    """params.cuh's fast_div, in Python: the high word of a 32 x 32-bit product, shifted."""
+    m = magic & 0xFFFFFFFF
+    return (n * m >> 32) >> (magic >> 32) if m else n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.integers(1, 4096), st.integers(1, 2**31 - 1),
+                 st.sampled_from([2**k + o for k in range(1, 31) for o in (-1, 0, 1)])),
+       st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=50))
+def test_fast_divisor_divides_exactly(d, dividends):
+    """The kernels' division by a multiply and a shift agrees with // for every dividend below 2**31."""
+    magic = _params.fast_divisor(d)
+    assert magic & 0xFFFFFFFF < 2**32 and magic >> 32 < 31
+    for n in dividends + [0, 1, d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d]:
+        if n < 2**31:
+            assert _fast_div(n, magic) == n // d, (n, d)
+
+
 class _FakeArray:
     """What a call signature reads from an array, without a GPU."""
 

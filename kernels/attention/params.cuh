@@ -25,6 +25,15 @@ struct Work {
     int nq, nk;   // its query and key rows
 };
 
+// n / d for a divisor known before the launch, by a multiply and a shift: for dividends below
+// 2^31 and d >= 2, with l = ceil(log2 d) and m = ceil(2^(31 + l) / d), n / d is
+// umulhi(n, m) >> (l - 1). The host packs m | (l - 1) << 32, and 0 for d = 1
+// (cuflash/_params.py: fast_divisor). About 3 instructions instead of 20.
+__device__ __forceinline__ u32 fast_div(u32 n, index_t magic) {
+    const u32 m = u32(magic);
+    return m ? __umulhi(n, m) >> u32(magic >> 32) : n;
+}
+
 struct AttnParams {
     const void* q;            // (batch..., nq, d)   rows strided, elements contiguous
     const void* k;            // (batch..., nk, d)
@@ -56,19 +65,33 @@ struct AttnParams {
     index_t q_batch_stride[MAX_BATCH_DIMS];   // 0 where q is broadcast
     index_t k_batch_stride[MAX_BATCH_DIMS];
     index_t v_batch_stride[MAX_BATCH_DIMS];
+    // fast_div's constants, for the kernels that divide with FAST_DIV: each batch dim's,
+    // batch_size's, grid_group's and grid_group * num_m_blocks' (the forward's grid order)
+    index_t batch_div[MAX_BATCH_DIMS];
+    index_t entries_div, group_div, grid_div;
 
     // The batch entry and block (of num_blocks per entry) this thread block runs.
     // Entries go in groups of grid_group, few enough that the blocks running at
     // once share their K and V (or Q and dO) in L2; within a group the blocks
     // with the most keys under a causal mask go first (block num_blocks - 1 when
     // heavy_last), so the light ones fill the end of the grid.
+    // FAST_DIV: by fast_div, where num_blocks is num_m_blocks (grid_div).
+    template <bool FAST_DIV = false>
     __device__ __forceinline__ void grid_position(u32 index, u32 num_blocks, bool heavy_last, u32& batch, u32& block) const {
         const u32 group = u32(grid_group), per_group = group * num_blocks;
-        const u32 first = index / per_group * group, r = index % per_group;
-        const u32 size = min(group, u32(batch_size) - first);
-        const u32 rank = r / size;   // 0: the block with the most work
-        batch = first + r % size;
-        block = heavy_last ? num_blocks - 1 - rank : rank;
+        if constexpr (FAST_DIV) {
+            const u32 g = fast_div(index, grid_div), first = g * group, r = index - g * per_group;
+            const u32 size = min(group, u32(batch_size) - first);   // less than group in the last group only
+            const u32 rank = size == group ? fast_div(r, group_div) : r / size;
+            batch = first + (r - rank * size);
+            block = heavy_last ? num_blocks - 1 - rank : rank;
+        } else {
+            const u32 first = index / per_group * group, r = index % per_group;
+            const u32 size = min(group, u32(batch_size) - first);
+            const u32 rank = r / size;   // 0: the block with the most work
+            batch = first + r % size;
+            block = heavy_last ? num_blocks - 1 - rank : rank;
+        }
     }
 
     // The work of tile `index` (blockIdx.x, unless a block runs several); false:
@@ -81,12 +104,13 @@ struct AttnParams {
     // parameters are (the constant bank) rather than in registers.
     // GRID_ORDER: dense blocks in grid_position's order; else entry by entry, blocks
     // in order (the portable kernels, whose registers are at the limit).
-    template <bool PACKED, bool GRID_ORDER = true>
+    // FAST_DIV: the divisions by fast_div (a forward's: num_blocks is num_m_blocks).
+    template <bool PACKED, bool GRID_ORDER = true, bool FAST_DIV = false>
     __device__ __forceinline__ bool work_at(u32 index, u32 num_blocks, bool heavy_last, Work& w) const {
         if (!PACKED) {
             u32 block;
             if (GRID_ORDER) {
-                grid_position(index, num_blocks, heavy_last, w.entry, block);
+                grid_position<FAST_DIV>(index, num_blocks, heavy_last, w.entry, block);
             } else {
                 w.entry = index / num_blocks;
                 block = index % num_blocks;
@@ -98,18 +122,26 @@ struct AttnParams {
             return true;
         }
         const u32 entries = u32(batch_size);
-        const int2 tile = tiles[index / entries];
-        if (tile.x < 0) return false;
-        w.entry = index % entries;
+        int2 tile;
+        if constexpr (FAST_DIV) {
+            const u32 list_index = fast_div(index, entries_div);
+            tile = tiles[list_index];
+            if (tile.x < 0) return false;
+            w.entry = index - list_index * entries;
+        } else {
+            tile = tiles[index / entries];
+            if (tile.x < 0) return false;
+            w.entry = index % entries;
+        }
         w.block = tile.y;
         sequence_rows(cu_seqlens_q, tile.x, int(nq), w.q0, w.nq);
         sequence_rows(cu_seqlens_k, tile.x, int(nk), w.k0, w.nk);
         return true;
     }
 
-    template <bool PACKED, bool GRID_ORDER = true>
+    template <bool PACKED, bool GRID_ORDER = true, bool FAST_DIV = false>
     __device__ __forceinline__ bool find_work(u32 num_blocks, bool heavy_last, Work& w) const {
-        return work_at<PACKED, GRID_ORDER>(blockIdx.x, num_blocks, heavy_last, w);
+        return work_at<PACKED, GRID_ORDER, FAST_DIV>(blockIdx.x, num_blocks, heavy_last, w);
     }
 
     // The flat batch index of member `member` of K/V entry e's query group.
@@ -120,6 +152,8 @@ struct AttnParams {
 
     // Element offsets of q, k, v for flat batch index b. The batch count fits
     // in 32 bits (it is at most the grid size), so 32-bit division suffices.
+    // FAST_DIV: by fast_div.
+    template <bool FAST_DIV = false>
     __device__ __forceinline__ void batch_offsets(u32 b, index_t& oq, index_t& ok, index_t& ov) const {
         oq = ok = ov = 0;
 #pragma unroll
@@ -127,8 +161,15 @@ struct AttnParams {
             const int i = MAX_BATCH_DIMS - 1 - j;   // innermost dim first
             if (i < batch_ndim) {
                 const u32 n = u32(batch_shape[i]);
-                const u32 idx = b % n;
-                b /= n;
+                u32 idx;
+                if constexpr (FAST_DIV) {
+                    const u32 quotient = fast_div(b, batch_div[i]);
+                    idx = b - quotient * n;
+                    b = quotient;
+                } else {
+                    idx = b % n;
+                    b /= n;
+                }
                 oq += idx * q_batch_stride[i];
                 ok += idx * k_batch_stride[i];
                 ov += idx * v_batch_stride[i];

@@ -125,8 +125,10 @@ struct OnlineSoftmax {
     }
 
     // out = acc / l; lse = ln(sum exp(scale * score)) = (m * scale_log2 + P_SHIFT + log2 l) * ln 2.
-    // A row that saw no key gets out = 0 and lse = -inf.
-    template <int D_TILES>
+    // A row that saw no key gets out = 0 and lse = -inf. APPROX: the hardware's reciprocal and
+    // log2 (1 ulp; 2^-22 absolute), a sixth of the instructions of the IEEE forms with their
+    // range checks, for 16-bit outputs: a row's sum is then at least 2^-P_SHIFT, a normal float.
+    template <bool APPROX = false, int D_TILES>
     __device__ __forceinline__ void finish(float (&acc)[M_TILES][D_TILES][4], float (&lse)[M_TILES][2],
                                            float scale_log2) {
 #pragma unroll
@@ -136,8 +138,17 @@ struct OnlineSoftmax {
                 const float sum = quad_sum(l[mt][h]);
                 // sum is 0 only for a row that saw no key; a NaN sum (NaN in the inputs) stays NaN
                 const bool none = sum == 0.f;
-                const float inv = none ? 0.f : 1.f / sum;
-                const float lse2 = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT) + log2f(sum);
+                float inv, lse2;
+                if constexpr (APPROX) {
+                    float rcp, log2_sum;
+                    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"(sum));
+                    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_sum) : "f"(sum));
+                    inv = none ? 0.f : rcp;
+                    lse2 = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT) + log2_sum;
+                } else {
+                    inv = none ? 0.f : 1.f / sum;
+                    lse2 = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT) + log2f(sum);
+                }
                 lse[mt][h] = none ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
 #pragma unroll
                 for (int dt = 0; dt < D_TILES; ++dt) {

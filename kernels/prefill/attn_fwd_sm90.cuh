@@ -15,7 +15,8 @@
 namespace cuflash {
 
 // One tile of the forward: a block of BLOCK_M query rows and the key blocks its band allows.
-template <class Cfg>
+// FAST_DIV: the batch offsets by fast_div (params.cuh).
+template <class Cfg, bool FAST_DIV>
 struct FwdTile {
     using Storage = typename Cfg::Storage;
     Work w;
@@ -29,7 +30,7 @@ struct FwdTile {
         m0 = w.block * Cfg::BLOCK_M;
         m_end = min(m0 + Cfg::BLOCK_M, w.nq);
         index_t q_off, k_off, v_off;
-        p.batch_offsets(w.entry, q_off, k_off, v_off);
+        p.template batch_offsets<FAST_DIV>(w.entry, q_off, k_off, v_off);
         g_q = static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride;
         g_k = static_cast<const Storage*>(p.k) + k_off + index_t(w.k0) * p.k_row_stride;
         g_v = static_cast<const Storage*>(p.v) + v_off + index_t(w.k0) * p.v_row_stride;
@@ -47,19 +48,20 @@ attn_fwd_sm90(const AttnParams p) {
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
-    using Tile = FwdTile<Cfg>;
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
-    // Up to head dim 128: copies that step down the rows, masks by row bounds and
-    // saturation in the conversion, for fewer instructions per tile (short sequences
-    // are issue-bound). Head dim 256 sits at its register limit and keeps its code
-    // (with a change in its loop its forwards ran 5 % slower; bench/NOTES.md v13).
+    // Up to head dim 128: divisions by multiplies, copies that step down the rows, masks
+    // by row bounds, saturation in the conversion and the hardware's reciprocal, for fewer
+    // instructions per tile (short sequences are issue-bound). Head dim 256 sits at its
+    // register limit and keeps its code (with a change in its loop its forwards ran 5 %
+    // slower; bench/NOTES.md v13).
     constexpr bool LEAN = HEAD_DIM <= 128;
+    using Tile = FwdTile<Cfg, LEAN>;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
 
     Work work;
-    if (!p.template find_work<PACKED>(u32(p.num_m_blocks), true, work)) return;
+    if (!p.template find_work<PACKED, true, LEAN>(u32(p.num_m_blocks), true, work)) return;
     const Tile tile(p, work);
     const int d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;                 // this warpgroup's rows
@@ -166,7 +168,7 @@ attn_fwd_sm90(const AttnParams p) {
         pin_registers(acc);
     }
     float lse[1][2];
-    softmax.finish(acc, lse, scale_log2);
+    softmax.template finish<LEAN>(acc, lse, scale_log2);
     store_output<T, LEAN>(p, tile.w, tile.m0, 0, warp_row0, acc, lse);
 }
 

@@ -45,7 +45,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
-    using Tile = FwdTile<Cfg>;
+    using Tile = FwdTile<Cfg, true>;
     using Slot = RingSlot<STAGES>;
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
 
@@ -82,7 +82,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
         u32 q_uses = 0, kv_uses = 0;
         for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
             Work w;
-            if (!p.template work_at<PACKED>(index, num_m_blocks, true, w)) break;
+            if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
             const Tile t(p, w);
             if (t.nb_begin >= t.nb_end) continue;
             const int qb = int(q_uses & 1u);
@@ -133,7 +133,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
 
     for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
         Work w;
-        if (!p.template work_at<PACKED>(index, num_m_blocks, true, w)) break;
+        if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
         const Tile t(p, w);
         fill_zero(acc);
         OnlineSoftmax<T, 1> softmax(p.scale_log2);
@@ -188,7 +188,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
             kv_uses += u32(steps);
         }
         float lse[1][2];
-        softmax.finish(acc, lse, scale_log2);
+        softmax.template finish<true>(acc, lse, scale_log2);
         store_output<T, true>(p, t.w, t.m0, 0, warp_row0, acc, lse);
     }
 }
