@@ -46,3 +46,33 @@ def test_script_without_gpu_says_why_in_one_line(tmp_path, script, args):
     assert done.returncode == 1, f"{script} exited {done.returncode}: {done.stderr[-2000:]}"
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert lines[0].startswith(f"{name}: cuflash's GPU functions need an NVIDIA GPU: "), lines[0]
+
+
+def test_summarize_compares_two_runs(tmp_path):
+    """bench/summarize.py on two small grids: the table, the cells below FA2, and --against
+    (each provider against its own earlier cell; a cell one run lacks is left out)."""
+    script = ROOT / "bench/summarize.py"
+    if not script.is_file():
+        pytest.skip("bench/summarize.py is not beside the tests (they run outside a source checkout)")
+    import json
+
+    def rows(cuflash_tflops, fa2=True):
+        out = []
+        for dtype in ("float16", "bfloat16"):
+            for n, tflops in zip((512, 2048, 4096), cuflash_tflops):
+                rivals = {"torch-flash": 100.0, "torch-cudnn": 200.0} if fa2 or n != 512 else {"torch-cudnn": 200.0}
+                out.append({"dtype": dtype, "D": 64, "causal": True, "direction": "fwd", "N": n, "B": 1, "H": 1,
+                            "tflops": {"cuflash": tflops, **rivals}})
+        return out
+
+    (tmp_path / "now.json").write_text(json.dumps({"rows": rows((90.0, 120.0, 130.0))}))
+    (tmp_path / "before.json").write_text(json.dumps({"rows": rows((90.0, 100.0, 130.0), fa2=False)}))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "now.json"), "--against",
+                           str(tmp_path / "before.json")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "| 64 | yes | fwd | 1.20–1.30 | 1.20–1.30 | 0.60–0.65 | 130 / 130 | 100 |" in lines
+    assert "target cells (N >= 2048): 4 of 4 met" in lines
+    assert any(line.startswith("below FA2 at N = 512: float16") for line in lines)
+    # against the earlier run: cuflash 1.0, 1.2, 1.0 per dtype (median 1.00, least 1.00); FA2 1.0 where both have it
+    assert "| 64 | yes | fwd | 1.00, 1.00 (float16 N = 512) | 1.00 |" in lines
