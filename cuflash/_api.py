@@ -101,7 +101,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
-        # without return_lse the kernels write lse where nobody reads it (_launch.sink)
+        # without return_lse the kernels write lse where nobody reads it (no allocation)
         lse = (cupy.empty(plan.shapes[1], dtype=cupy.float32) if return_lse
                else _launch.sink(cupy, plan.device, 4 * out.size // max(1, plan.shapes[0][-1])))
         lists = _tile_lists(cupy, plan.launches)

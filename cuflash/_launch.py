@@ -156,8 +156,7 @@ class KVCacheLaunches:
     """What an attention_kvcache call runs: the append (if any), the decoding kernel and
     the merge of its splits (if any), over the arrays of DECODE_POINTERS; and what to
     allocate: out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)),
-    lse (with return_lse; else the kernels write it into ``sink``), and the float32
-    partials of the splits."""
+    lse, and the float32 partials of the splits."""
 
     runs: tuple
     out_shape: tuple[int, ...]
@@ -190,9 +189,9 @@ _sinks_lock = threading.Lock()
 
 def sink(cupy, device: int, nbytes: int) -> int:
     """A pointer to at least ``nbytes`` of ``device`` memory (the current device) that kernels
-    may write and nothing reads: for an output a call does not return (lse, from the forward
-    or attention_kvcache without return_lse), in place of an allocation per call. One buffer
-    per device, from CuPy's memory pool, grown as needed; a replaced one is kept, since
+    may write and nothing reads: for an output a call does not return (the lse of a forward
+    without return_lse), in place of an allocation per call. Concurrent writers cannot harm
+    what nobody reads. One buffer per device, grown as needed; a replaced one is kept, since
     kernels queued or captured in a CUDA graph may still write to it."""
     entry = _sinks.get(device)
     if entry is None or entry[1] < nbytes:
