@@ -10,12 +10,11 @@ import numpy as np
 from . import _compile, _params
 from ._launch import (
     DECODE_FIELDS, DKDV_FIELDS, DQ_FIELDS, K_TILES, Q_TILES, KVCacheLaunches, Launch, Launches, TileListLaunch,
-    blocks_per_sm, decode_slots, sm_count,
+    blocks_per_sm, sm_count,
 )
 from ._tiles import (
-    DECODE_BLOCK_N, ELEMENT_TYPES, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_name, decode_rows, decode_smem,
-    decode_stages, decode_supported, fwd_name, fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles,
-    merge_name, sm90_bwd_names, sm90_bwd_tiles, sum_parts_name,
+    ELEMENT_TYPES, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, fwd_name, fwd_tiles,
+    head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, sm90_bwd_names, sm90_bwd_tiles, sum_parts_name,
 )
 
 MERGE_THREADS = 256   # kernels/decode/merge.cuh: one block of MergeTiles::WARPS warps per row
@@ -164,23 +163,28 @@ def backward_launches(x) -> Launches:
     return Launches(lists + runs, ((Q_TILES, q_capacity), (K_TILES, k_capacity)), entries)
 
 
-DECODE_SPLIT_COST = 2   # key blocks' worth of time a block spends starting and ending (and the merge)
+DECODE_SPLIT_COST = 2      # key blocks' worth of time a block spends starting and ending
+DECODE_MERGE_ROUND = 0.5   # key blocks' worth of one round trip to L2 in the merge of the splits
 
 
-def decode_splits(blocks: int, longest: int, forced: int | None, slots: int) -> tuple[int, int]:
+def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, block_n: int,
+                  rows: int = 1) -> tuple[int, int]:
     """(splits, keys per split) of the keys of each (sequence, entry): forced, or the count
-    with the shortest modelled time, in waves of ``slots`` resident blocks times the key
-    blocks each block reads plus its fixed cost (flash-decoding; a split keeps at least
-    four key blocks)."""
-    key_blocks = max(1, -(-longest // DECODE_BLOCK_N))
+    with the shortest modelled time (flash-decoding; a split keeps at least two key blocks):
+    waves of ``slots`` blocks, each reading its key blocks plus a fixed cost, then the merge
+    of the splits by the last block of each row group, whose four warps take its ``rows``
+    rows in turn, each an L2 round trip for the parts' lse and one per eight parts."""
+    key_blocks = max(1, -(-longest // block_n))
     if forced is None:
         blocks = max(blocks, 1)
 
         def time(s):
-            return -(-blocks * s // slots) * (-(-key_blocks // s) + DECODE_SPLIT_COST) + (DECODE_SPLIT_COST if s > 1 else 0)
+            waves = -(-blocks * s // slots) * (-(-key_blocks // s) + DECODE_SPLIT_COST)
+            merge = DECODE_SPLIT_COST + -(-rows // 4) * (1 + -(-s // 8)) * DECODE_MERGE_ROUND
+            return waves + (merge if s > 1 else 0)
 
-        forced = min(range(1, max(1, min(128, key_blocks // 4)) + 1), key=time)
-    per_split = -(-key_blocks // forced) * DECODE_BLOCK_N
+        forced = min(range(1, max(1, min(128, key_blocks // 2)) + 1), key=time)
+    per_split = -(-key_blocks // forced) * block_n
     return -(-max(longest, 1) // per_split), per_split
 
 
@@ -190,16 +194,16 @@ def kvcache_launches(x) -> KVCacheLaunches:
     elem = ELEMENT_TYPES[x.dtype_name][0]
     head_dim = head_dim_bucket(x.d, x.dv)
     rows = x.group * x.nq
-    block_rows = decode_rows(head_dim, rows, itemsize)
-    stages = decode_stages(head_dim, itemsize)
-    smem = decode_smem(head_dim, block_rows, itemsize)
+    tiles = decode_tiles(head_dim, rows, itemsize, None if x.block_table is None else x.page_size)
+    smem = tiles.smem_bytes(head_dim, itemsize)
     if smem > 227 * 1024 or not decode_supported(head_dim, itemsize):
         raise ValueError(f"attention_kvcache does not take {x.dtype_name} with head dims above 128 "
                          f"(D = {x.d}, Dv = {x.dv}); use float16 or bfloat16")
-    row_groups = -(-rows // block_rows)
-    decode = _compile.get_function(decode_name(x.dtype_name, head_dim, block_rows, stages), smem)
+    row_groups = -(-rows // tiles.block_rows)
+    decode = _compile.get_function(tiles.name(x.dtype_name, head_dim), smem)
     blocks = x.batch * x.entries * row_groups
-    splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, decode_slots(decode, smem))
+    splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, tiles.split_blocks_per_sm * sm_count(),
+                                       tiles.block_n, min(rows, tiles.block_rows))
     unbounded = x.capacity + x.nq
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
@@ -221,8 +225,5 @@ def kvcache_launches(x) -> KVCacheLaunches:
         runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, DECODE_FIELDS))
     if rows and x.batch * x.entries:
         runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, smem, params, DECODE_FIELDS))
-        if splits > 1:
-            combine = _compile.get_function(f"cuflash::combine_splits<{elem}>", 0)
-            runs.append(Launch(combine, (x.batch * x.entries * rows,), MERGE_THREADS, 0, params, DECODE_FIELDS))
-    parts = (splits, x.batch * x.entries * rows, x.dv) if splits > 1 else None
+    parts = (splits, x.batch * x.entries * rows, x.dv, x.batch * x.entries * row_groups) if splits > 1 else None
     return KVCacheLaunches(tuple(runs), x.out_shape, parts)

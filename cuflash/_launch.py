@@ -43,13 +43,14 @@ class Launch:
         pick = operator.itemgetter(*self.fields)
         object.__setattr__(self, "_pick", pick if len(self.fields) > 1 else lambda arrays: (pick(arrays),))
 
-    def run(self, arrays) -> None:
-        """Launches on the current stream; ``arrays`` holds CuPy arrays, raw pointers (int)
-        or None (a null pointer)."""
+    def run(self, arrays, stream: int | None = None) -> None:
+        """Launches on ``stream`` (a handle), by default the current stream; ``arrays`` holds
+        CuPy arrays, raw pointers (int) or None (a null pointer)."""
         cupy, driver = _launch_modules()
         pointers = [0 if a is None else a if type(a) is int else a.data.ptr for a in self._pick(arrays)]
         record, (gx, gy, gz) = self._record, self._grid
-        stream = cupy.cuda.get_current_stream().ptr
+        if stream is None:
+            stream = cupy.cuda.get_current_stream().ptr
         with record.lock:
             record.fill(pointers)
             driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
@@ -135,32 +136,16 @@ def sm_count() -> int:
     return n
 
 
-def decode_slots(fn, smem: int) -> int:
-    """Blocks of the decoding kernel ``fn`` resident on the whole GPU at once (the driver's
-    occupancy at 128 threads and ``smem`` bytes, times the SMs)."""
-    key = (id(fn), smem)
-    slots = _decode_slots.get(key)
-    if slots is None:
-        from cupy_backends.cuda.api import driver
-
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, 128, smem)
-        slots = _decode_slots[key] = max(1, per_sm) * sm_count()
-    return slots
-
-
-_decode_slots: dict = {}
-
-
 @dataclass(frozen=True)
 class KVCacheLaunches:
-    """What an attention_kvcache call runs: the append (if any), the decoding kernel and
-    the merge of its splits (if any), over the arrays of DECODE_POINTERS; and what to
-    allocate: out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)),
-    lse, and the float32 partials of the splits."""
+    """What an attention_kvcache call runs: the append (if any) and the decoding kernel,
+    which merges its own splits, over the arrays of DECODE_POINTERS; and what it needs:
+    out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)), lse, and with
+    splits their float32 partials and a counter per row group, from the stream's workspace."""
 
     runs: tuple
     out_shape: tuple[int, ...]
-    parts: tuple[int, int, int] | None   # (splits, rows, dv)
+    parts: tuple[int, int, int, int] | None   # (splits, rows, dv, row groups)
 
     def run(self, cupy, device, dtype, return_lse, q, k, v, seqlens, block_table, k_new, v_new):
         """(out, lse) of a call on ``device`` (current); lse None without ``return_lse``."""
@@ -169,36 +154,73 @@ class KVCacheLaunches:
             lse = lse_ptr = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
         else:
             lse, lse_ptr = None, sink(cupy, device, 4 * out.size // max(1, self.out_shape[-1]))
-        parts = part_out = part_lse = None
-        if self.parts is not None:   # one allocation: the float32 partial outputs, then their lse
-            splits, rows, dv = self.parts
-            parts = cupy.cuda.alloc(splits * rows * (dv + 1) * 4)
-            part_out, part_lse = parts.ptr, parts.ptr + splits * rows * dv * 4
-        arrays = (q, k, v, out, lse_ptr, seqlens, block_table, part_out, part_lse, k_new, v_new)
+        stream = cupy.cuda.get_current_stream().ptr
+        part_out = part_lse = counts = None
+        if self.parts is not None:   # the counters, then the float32 partial outputs, then their lse
+            splits, rows, dv, groups = self.parts
+            counts, part_out = split_workspace(cupy, device, stream, 4 * groups, splits * rows * (dv + 1) * 4)
+            part_lse = part_out + splits * rows * dv * 4
+        arrays = (q, k, v, out, lse_ptr, seqlens, block_table, part_out, part_lse, counts, k_new, v_new)
         for launch in self.runs:
-            launch.run(arrays)
+            launch.run(arrays, stream)
         return out, lse
 
 
 DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
 
 
-_sinks: dict = {}   # device -> (pointer, bytes, every buffer handed out on it)
-_sinks_lock = threading.Lock()
+# Device memory that calls reuse in place of allocations, never handed back: kernels queued
+# or captured in a CUDA graph may use it long after the call returns. Each block comes
+# straight from the driver (cupy.cuda.Memory), not from CuPy's pool, whose blocks are
+# ordered after the work of the one stream that freed them.
+_sinks: dict = {}        # device -> (pointer, bytes)
+_workspaces: dict = {}   # (device, stream) -> (pointer, counter bytes, partial bytes)
+_held: list = []         # every block handed out, the replaced ones too
+_kept_lock = threading.Lock()
+
+
+def _grown(need: int, have: int) -> int:
+    """A block's new size: as it was if that holds ``need``, else at least twice that."""
+    return have if have >= need else max(need, 2 * have)
+
+
+def _new_block(cupy, size: int, zeroed: bool):
+    memory = cupy.cuda.Memory(size)
+    if zeroed:   # on a stream of its own: the caller's may be capturing a graph
+        side = cupy.cuda.Stream(non_blocking=True)
+        cupy.cuda.runtime.memsetAsync(memory.ptr, 0, size, side.ptr)
+        side.synchronize()
+    _held.append(memory)
+    return memory.ptr
 
 
 def sink(cupy, device: int, nbytes: int) -> int:
     """A pointer to at least ``nbytes`` of ``device`` memory (the current device) that kernels
-    may write and nothing reads: for an output a call does not return (the lse of a forward
-    without return_lse), in place of an allocation per call. Concurrent writers cannot harm
-    what nobody reads. One buffer per device, grown as needed; a replaced one is kept, since
-    kernels queued or captured in a CUDA graph may still write to it."""
+    may write and nothing reads: for an output a call does not return (lse without
+    return_lse), in place of an allocation per call. One buffer per device, for every
+    stream: concurrent writers cannot harm what nobody reads."""
     entry = _sinks.get(device)
     if entry is None or entry[1] < nbytes:
-        with _sinks_lock:
+        with _kept_lock:
             entry = _sinks.get(device)
             if entry is None or entry[1] < nbytes:
-                size = max(nbytes, 2 * entry[1] if entry else 1 << 16)
-                memory = cupy.cuda.alloc(size)
-                entry = _sinks[device] = (memory.ptr, size, (entry[2] if entry else ()) + (memory,))
+                size = _grown(nbytes, entry[1] if entry else 1 << 16)
+                entry = _sinks[device] = (_new_block(cupy, size, False), size)
     return entry[0]
+
+
+def split_workspace(cupy, device: int, stream: int, count_bytes: int, part_bytes: int) -> tuple[int, int]:
+    """(counters, partials): pointers to at least ``count_bytes`` of zeroed counters and
+    ``part_bytes`` for the float32 partials of split decoding on ``device`` (current), kept
+    for the calls queued on ``stream`` alone: calls on one stream use them in turn, calls on
+    two streams must not share them. The kernels leave the counters at zero."""
+    key = (device, stream)
+    entry = _workspaces.get(key)
+    if entry is None or entry[1] < count_bytes or entry[2] < part_bytes:
+        with _kept_lock:
+            entry = _workspaces.get(key)
+            if entry is None or entry[1] < count_bytes or entry[2] < part_bytes:
+                counts = -(-_grown(count_bytes, entry[1] if entry else 1 << 12) // 256) * 256
+                parts = _grown(part_bytes, entry[2] if entry else 1 << 20)
+                entry = _workspaces[key] = (_new_block(cupy, counts + parts, True), counts, parts)
+    return entry[0], entry[0] + entry[1]

@@ -50,7 +50,10 @@ def _packed_key(packed):
 
 def _array_key(a):
     """An array's part of a signature (None for an absent one)."""
-    return None if a is None else (type(a), a.dtype, a.shape, a.strides, a.data.device_id, a.data.ptr % 16 == 0)
+    if a is None:
+        return None
+    memory = a.data
+    return type(a), a.dtype, a.shape, a.strides, memory.device_id, memory.ptr % 16 == 0
 
 
 def _signature(direction: str, arrays, causal, window, scale, packed=None):
@@ -152,30 +155,32 @@ class KVCachePlan:
     launches: _launch.KVCacheLaunches
 
 
+def _device_lengths(cache_seqlens) -> bool:
+    """Whether the lengths are an array (read by the kernels) rather than None or an int."""
+    return not (cache_seqlens is None or type(cache_seqlens) is int or isinstance(cache_seqlens, numbers.Integral))
+
+
 def _kvcache_signature(arrays, cache_seqlens, block_table, causal, window, scale, num_splits, check):
     """The cache key of an attention_kvcache call, or None when it must be checked every
     time: with ``check=True``, lengths or pages that live in arrays (their values are read);
     lengths or tables the kernels cannot read in place (NumPy, or not contiguous int32)."""
     if not (window is None or isinstance(window, (tuple, list))):
         return None
-    device_lengths = not (cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral))
+    device_lengths = _device_lengths(cache_seqlens)
     if check is not False and (device_lengths or block_table is not None):
         return None
     try:
-        index_arrays = tuple(
-            _array_key(a) if a is None or (a.dtype == "int32" and a.flags.c_contiguous) else False
-            for a in ((cache_seqlens if device_lengths else None), block_table)
-        )
-        if False in index_arrays:
-            return None
-        key = ("kvcache", type(causal), causal, None if window is None else tuple((type(w), w) for w in window),
-               type(scale), scale, type(num_splits), num_splits, type(check), check,
-               None if device_lengths else (type(cache_seqlens), cache_seqlens)) + index_arrays + tuple(
-            _array_key(a) for a in arrays)
-        hash(key)
-    except (AttributeError, TypeError):
+        index_arrays = []
+        for a in (cache_seqlens if device_lengths else None, block_table):
+            if a is not None and not (a.dtype == "int32" and a.flags.c_contiguous):
+                return None
+            index_arrays.append(_array_key(a))
+        mask = (type(causal), causal, None if window is None else tuple((type(w), w) for w in window),
+                type(scale), scale, type(num_splits), num_splits, type(check), check)
+        lengths = None if device_lengths else (type(cache_seqlens), cache_seqlens)
+        return ("kvcache", mask, lengths, *index_arrays, *map(_array_key, arrays))
+    except AttributeError:
         return None
-    return key
 
 
 def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check):
@@ -183,10 +188,13 @@ def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causa
     attention_kvcache call; raises as the checks do, before anything is written."""
     key = _kvcache_signature((q, k_cache, v_cache, k_new, v_new), cache_seqlens, block_table, causal, window, scale,
                              num_splits, check)
-    plan = _plans.get(key)
+    try:
+        plan = _plans.get(key)
+    except TypeError:   # an argument that cannot be part of a key: the checks say what is wrong with it
+        key = plan = None
     if plan is not None:
-        device_lengths = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral) else cache_seqlens
-        return plan, (q, k_cache, v_cache, device_lengths, block_table, k_new, v_new)
+        lengths = cache_seqlens if _device_lengths(cache_seqlens) else None
+        return plan, (q, k_cache, v_cache, lengths, block_table, k_new, v_new)
     cupy = _checks.require_cupy()
     x = _checks.kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window,
                                scale, num_splits, check)

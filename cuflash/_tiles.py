@@ -327,18 +327,48 @@ def sum_parts_name(dtype_name: str) -> str:
     return f"cuflash::sum_parts<{ELEMENT_TYPES[dtype_name][0]}>"
 
 
-DECODE_BLOCK_N = 64   # kernels/decode/decode.cuh: keys per pipeline stage
+@dataclass(frozen=True)
+class DecodeTiles:
+    """The decoding kernel's shape (kernels/decode/decode.cuh): query rows per block (16 or
+    32: M_TILES 1 or 2), keys per pipeline stage (64 or 128) and stages in flight."""
+
+    block_rows: int
+    block_n: int
+    stages: int
+
+    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+        # Q, then the K/V stages, which the warps' merge reuses afterwards
+        stages = self.stages * 2 * self.block_n * head_dim * itemsize
+        return self.block_rows * head_dim * itemsize + max(stages, 4 * self.block_rows * (head_dim + 2) * 4)
+
+    @property
+    def split_blocks_per_sm(self) -> int:
+        """Blocks per multiprocessor that split decoding plans for: one for 16 rows, whose
+        block streams as fast alone as beside a second (which would only add splits to
+        merge); two for 32, whose products are four times as many (bench/NOTES.md v15)."""
+        return 1 if self.block_rows == 16 else 2
+
+    def name(self, dtype_name: str, head_dim: int) -> str:
+        return (f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {self.block_rows // 16}, "
+                f"{self.stages}, {self.block_n}>")
 
 
-def decode_rows(head_dim: int, rows: int, itemsize: int = 2) -> int:
-    """Query rows per block of the decoding kernel: 16 or 32 (M_TILES 1 or 2; 32 only for
-    16-bit types up to head dim 128, by registers)."""
-    return 32 if rows > 16 and head_dim <= 128 and itemsize == 2 else 16
+def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None = None) -> DecodeTiles:
+    """The decoding kernel's shape for ``rows`` query rows per K/V entry, over a contiguous
+    cache (``page_size`` None) or pages of ``page_size`` rows.
 
-
-def decode_stages(head_dim: int, itemsize: int) -> int:
-    """K/V stages in flight: three where they fit in 100 KB (two for float32, by registers)."""
-    return 3 if itemsize == 2 and 3 * 2 * DECODE_BLOCK_N * head_dim * itemsize <= 100 * 1024 else 2
+    - 32 rows per block only for 16-bit types up to head dim 128 (registers).
+    - 128 keys per stage for 16-bit heads up to 64 wide, so that a stage moves as many bytes
+      as at head dim 128 (by measurement, bench/NOTES.md v15); but 64 over pages that do not
+      hold whole blocks of 128, whose copies go run by run and need the four resident blocks
+      of the smaller stages to hide the table reads.
+    - three stages where they fit in 100 KB (two blocks per SM), two for float32 (registers).
+    """
+    block_rows = 32 if rows > 16 and head_dim <= 128 and itemsize == 2 else 16
+    wide_stages = head_dim <= 64 and itemsize == 2 and (page_size is None or page_size % 128 == 0)
+    block_n = 128 if wide_stages else 64
+    stages = 3 if itemsize == 2 and 3 * 2 * block_n * head_dim * itemsize <= 100 * 1024 else 2
+    return DecodeTiles(block_rows, block_n, stages)
 
 
 def decode_supported(head_dim: int, itemsize: int) -> bool:
@@ -346,23 +376,16 @@ def decode_supported(head_dim: int, itemsize: int) -> bool:
     return itemsize == 2 or head_dim <= 128
 
 
-def decode_smem(head_dim: int, block_rows: int, itemsize: int) -> int:
-    # kernels/decode/decode.cuh: Q, then the K/V stages, which the warps' merge reuses afterwards
-    stages = decode_stages(head_dim, itemsize) * 2 * DECODE_BLOCK_N * head_dim * itemsize
-    return block_rows * head_dim * itemsize + max(stages, 4 * block_rows * (head_dim + 2) * 4)
-
-
-def decode_name(dtype_name: str, head_dim: int, block_rows: int, stages: int) -> str:
-    return f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {block_rows // 16}, {stages}>"
-
-
 def decode_specializations() -> list[str]:
     """The KV-cache kernels, for every dtype and head-dim bucket they take."""
     names = []
     for dt, (elem, itemsize) in ELEMENT_TYPES.items():
-        names += [f"cuflash::kvcache_append<{elem}>", f"cuflash::combine_splits<{elem}>"]
+        names.append(f"cuflash::kvcache_append<{elem}>")
         for hd in HEAD_DIM_BUCKETS:
-            for block_rows in sorted({decode_rows(hd, 16, itemsize), decode_rows(hd, 32, itemsize)}):
-                if decode_smem(hd, block_rows, itemsize) <= 227 * 1024 and decode_supported(hd, itemsize):
-                    names.append(decode_name(dt, hd, block_rows, decode_stages(hd, itemsize)))
+            if not decode_supported(hd, itemsize):
+                continue
+            shapes = {decode_tiles(hd, rows, itemsize, page) for rows in (1, 32) for page in (None, 16)}
+            for tiles in sorted(shapes, key=lambda t: (t.block_rows, t.block_n)):
+                if tiles.smem_bytes(hd, itemsize) <= 227 * 1024:
+                    names.append(tiles.name(dt, hd))
     return names

@@ -280,3 +280,31 @@ def test_arrays_on_different_devices_are_refused(monkeypatch):
     assert "dout" in message and "device" in message, message
 
     assert launched == [], f"kernels were fetched for launch before the error: {launched}"
+
+
+def test_forward_without_lse_in_a_cuda_graph_and_on_two_streams():
+    """Forwards without return_lse (their lse written to memory kept for the device) captured
+    in a CUDA graph on a fresh stream and queued on two streams at once: the same out as
+    one forward run alone."""
+    rng = np.random.default_rng(11)
+    problems = [tuple(random_array(rng, (2, 4, 300, 64), "float16") for _ in range(3)) for _ in range(2)]
+    alone = [cupy.asnumpy(cuflash.attention(q, k, v, causal=True)) for q, k, v in problems]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    with streams[0]:
+        streams[0].begin_capture()
+        captured = cuflash.attention(*problems[0], causal=True)
+        graph = streams[0].end_capture()
+        captured.fill(np.nan)
+    outs = [[], []]
+    for _ in range(10):
+        for i, ((q, k, v), stream) in enumerate(zip(problems, streams)):
+            with stream:
+                outs[i].append(cuflash.attention(q, k, v, causal=True))
+        with streams[1]:
+            graph.launch()
+    for stream in streams:
+        stream.synchronize()
+    assert np.array_equal(cupy.asnumpy(captured), alone[0])
+    for i in range(2):
+        for out in outs[i]:
+            assert np.array_equal(cupy.asnumpy(out), alone[i])

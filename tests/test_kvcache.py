@@ -165,9 +165,11 @@ def test_bad_lengths_without_check_stay_inside_the_arrays():
     assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
 
 
-def test_decoding_loop_in_a_cuda_graph():
+@pytest.mark.parametrize("num_splits", (1, 3))
+def test_decoding_loop_in_a_cuda_graph(num_splits):
     """256 steps of decoding with appends (check=False, device lengths) captured in one CUDA
-    graph, replayed, against the same steps run eagerly on a copy of the cache."""
+    graph, replayed, against the same steps run eagerly on a copy of the cache; with splits,
+    the graph replays into the partials and counters kept for its stream."""
     rng = np.random.default_rng(7)
     batch, hkv, group, d, steps = 2, 2, 4, 64, 256
     k = random_array(rng, (batch, hkv, 1, 512, d), "float16")
@@ -177,18 +179,65 @@ def test_decoding_loop_in_a_cuda_graph():
     vn = random_array(rng, (steps, batch, hkv, 1, 1, d), "float16")
     start = cupy.asarray([100, 3], dtype=cupy.int32)
     k2, v2 = k.copy(), v.copy()
-    eager = [cuflash.attention_kvcache(q[i], k2, v2, k_new=kn[i], v_new=vn[i], cache_seqlens=start + i, check=False)
-             for i in range(steps)]
+    eager = [cuflash.attention_kvcache(q[i], k2, v2, k_new=kn[i], v_new=vn[i], cache_seqlens=start + i, check=False,
+                                       num_splits=num_splits) for i in range(steps)]
     seqlens = [start + i for i in range(steps)]   # allocated before the capture
-    cuflash.attention_kvcache(q[0], k.copy(), v.copy(), k_new=kn[0], v_new=vn[0], cache_seqlens=start, check=False)
+    cuflash.attention_kvcache(q[0], k.copy(), v.copy(), k_new=kn[0], v_new=vn[0], cache_seqlens=start, check=False,
+                              num_splits=num_splits)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        outs = [cuflash.attention_kvcache(q[i], k, v, k_new=kn[i], v_new=vn[i], cache_seqlens=seqlens[i], check=False)
-                for i in range(steps)]
+        outs = [cuflash.attention_kvcache(q[i], k, v, k_new=kn[i], v_new=vn[i], cache_seqlens=seqlens[i], check=False,
+                                          num_splits=num_splits) for i in range(steps)]
         graph = stream.end_capture()
+        for out in outs:   # poisoned: the replay must write every output
+            out.fill(np.nan)
         graph.launch()
     stream.synchronize()
     assert np.array_equal(cupy.asnumpy(k), cupy.asnumpy(k2))
     for a, b in zip(outs, eager):
         assert np.array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+
+
+def _split_problem(rng, batch, hkv, group, nk, d=128):
+    q = random_array(rng, (batch, hkv, group, 1, d), "bfloat16", 2.0)
+    k = random_array(rng, (batch, hkv, 1, nk, d), "bfloat16")
+    v = random_array(rng, (batch, hkv, 1, nk, d), "bfloat16")
+    return q, k, v
+
+
+def test_split_counts_change_from_call_to_call():
+    """Calls on one stream with split counts and grids that change from call to call: the
+    counters each call leaves behind must be ready for the next. Each against the same
+    call with one split, whose result does not go through the merge."""
+    rng = np.random.default_rng(8)
+    cases = [(2, 2, 4, 1000, 3), (1, 3, 5, 700, 7), (3, 1, 1, 2000, 2), (2, 2, 4, 1000, 5), (1, 1, 8, 64, 2),
+             (2, 2, 4, 1000, 3), (4, 2, 2, 513, 9)]
+    for batch, hkv, group, nk, splits in cases:
+        q, k, v = _split_problem(rng, batch, hkv, group, nk)
+        lengths = cupy.asarray(rng.integers(0, nk + 1, size=batch), dtype=cupy.int32)
+        one, one_lse = cuflash.attention_kvcache(q, k, v, cache_seqlens=lengths, num_splits=1, return_lse=True)
+        many, many_lse = cuflash.attention_kvcache(q, k, v, cache_seqlens=lengths, num_splits=splits, return_lse=True)
+        np.testing.assert_allclose(cupy.asnumpy(many.astype(cupy.float32)), cupy.asnumpy(one.astype(cupy.float32)),
+                                   rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(cupy.asnumpy(many_lse), cupy.asnumpy(one_lse), rtol=1e-5, atol=1e-5)
+
+
+def test_split_decoding_on_two_streams_at_once():
+    """Split decoding queued on two streams at once, without synchronizing between them:
+    each stream's calls merge their own partials (the workspace is per stream), so every
+    result equals the same call run alone."""
+    rng = np.random.default_rng(9)
+    problems = [_split_problem(rng, 2, 2, 4, 4096) for _ in range(2)]
+    alone = [cupy.asnumpy(cuflash.attention_kvcache(q, k, v, num_splits=8)) for q, k, v in problems]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    outs = [[], []]
+    for _ in range(20):
+        for i, ((q, k, v), stream) in enumerate(zip(problems, streams)):
+            with stream:
+                outs[i].append(cuflash.attention_kvcache(q, k, v, num_splits=8))
+    for stream in streams:
+        stream.synchronize()
+    for i in range(2):
+        for out in outs[i]:
+            assert np.array_equal(cupy.asnumpy(out), alone[i])

@@ -27,13 +27,14 @@ def test_specializations_cover_every_dtype_and_bucket():
     decode = _tiles.decode_specializations()
     assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 3) + 1 + len(decode)
     for dt, (elem, item) in _tiles.ELEMENT_TYPES.items():
-        assert f"cuflash::kvcache_append<{elem}>" in decode and f"cuflash::combine_splits<{elem}>" in decode
+        assert f"cuflash::kvcache_append<{elem}>" in decode
         for hd in _tiles.HEAD_DIM_BUCKETS:
             if _tiles.decode_supported(hd, item):
                 for rows in (1, 20):
-                    block_rows = _tiles.decode_rows(hd, rows, item)
-                    assert _tiles.decode_smem(hd, block_rows, item) <= 227 * 1024
-                    assert _tiles.decode_name(dt, hd, block_rows, _tiles.decode_stages(hd, item)) in decode
+                    for page_size in (None, 1, 16, 64, 128, 256, 100):
+                        tiles = _tiles.decode_tiles(hd, rows, item, page_size)
+                        assert tiles.smem_bytes(hd, item) <= 227 * 1024
+                        assert tiles.name(dt, hd) in decode
     for dt in _tiles.ELEMENT_TYPES:
         for hd in _tiles.HEAD_DIM_BUCKETS:
             item = _tiles.ELEMENT_TYPES[dt][1]

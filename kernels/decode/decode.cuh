@@ -5,11 +5,12 @@
 // stream K and V: a block takes one sequence, one K/V entry (head) and one split of
 // its keys; the query rows that share the entry (the group's heads times the new
 // rows) are packed into one tile of 16 * M_TILES rows, so each key is read once per
-// entry. K and V blocks of 64 keys stream through a multi-stage cp.async pipeline;
-// each of the four warps takes 16 of a block's keys for all the rows, with its own
-// online softmax, and the warps' partial results are merged at the end. With
-// several splits each block writes a float32 partial (out, lse) that
-// combine_splits merges by logsumexp.
+// entry. K and V blocks of BLOCK_N keys stream through a multi-stage cp.async
+// pipeline; each of the four warps takes a quarter of a block's keys for all the rows,
+// with its own online softmax, and the warps' partial results are merged at the end. With
+// several splits each block writes a float32 partial (out, lse) and counts itself
+// done; the last block of its rows to finish merges the splits' partials by
+// logsumexp (one launch, and the merge starts as the last split ends).
 #pragma once
 
 namespace cuflash {
@@ -24,6 +25,7 @@ struct DecodeParams {
     const int* block_table;   // (B, max_pages), or null: contiguous cache
     float* part_out;          // (splits, B * E * G * nq, dv), with splits > 1
     float* part_lse;          // (splits, B * E * G * nq)
+    unsigned* split_counts;   // (B * E * row groups): splits done, back to 0 after the last (zero to begin)
     const void* k_new;        // (B, E, n_new, d) strided, for the append
     const void* v_new;
     index_t q_stride_b, q_stride_e, q_stride_row;
@@ -100,21 +102,30 @@ __device__ __forceinline__ void load_rows_async(u32 s_tile, RowPtr row_ptr, int 
     }
 }
 
-// The decoding kernel's block: four warps, 64 keys per pipeline stage (16 per warp).
+// The decoding kernel's block: four warps, BLOCK_N keys per pipeline stage (BLOCK_N / 4
+// per warp, 64 or 128: narrow heads take more keys per stage, so that a stage moves as many
+// bytes and its fixed costs, the barrier and the softmax's reductions, spread over more).
+template <int BLOCK_N_>
 struct DecodeTiles {
     static constexpr int WARPS = 4;
-    static constexpr int BLOCK_N = 16 * WARPS;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int WARP_KEYS = BLOCK_N / WARPS;   // a warp's keys of a block: 16 or 32
+    static constexpr int RUN = 16;                      // keys of one run in pages of 16
+    static_assert(WARP_KEYS % 16 == 0, "a warp takes whole 16-key products");
 };
 
 // grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it
-template <class T, int HEAD_DIM, int M_TILES, int STAGES>
-__global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const DecodeParams p) {
+template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N>
+__global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_decode(const DecodeParams p) {
     using Storage = typename T::storage;
-    constexpr int ROWS = 16 * M_TILES, THREADS = DecodeTiles::WARPS * 32, D_TILES = HEAD_DIM / 8;
+    using Tiles = DecodeTiles<BLOCK_N>;
+    constexpr int ROWS = 16 * M_TILES, THREADS = Tiles::WARPS * 32, D_TILES = HEAD_DIM / 8;
+    constexpr int N_TILES = Tiles::WARP_KEYS / 8;
     using QTile = SmemTile<Storage, ROWS, HEAD_DIM>;
-    using KVTile = SmemTile<Storage, DecodeTiles::BLOCK_N, HEAD_DIM>;
-    using SubTile = SmemTile<Storage, 16, HEAD_DIM>;   // one warp's 16 keys of a K or V block
-    constexpr u32 SUB_BYTES = SubTile::BYTES;
+    using KVTile = SmemTile<Storage, BLOCK_N, HEAD_DIM>;
+    using SubTile = SmemTile<Storage, Tiles::WARP_KEYS, HEAD_DIM>;   // one warp's keys of a K or V block
+    using RunTile = SmemTile<Storage, Tiles::RUN, HEAD_DIM>;
+    constexpr u32 SUB_BYTES = SubTile::BYTES, RUN_BYTES = RunTile::BYTES;
 
     extern __shared__ __align__(128) unsigned char smem[];
     const int be = blockIdx.x, split = blockIdx.y, b = be / int(p.entries), e = be % int(p.entries);
@@ -137,15 +148,15 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
     const int q_lo = every_row ? 0 : r_first, q_hi = every_row ? nq - 1 : r_last;
     const int lo = max(k_begin, int(max(index_t(0), q_lo + off - p.window_left)));
     const int hi = min(k_end, int(min(index_t(nk), q_hi + off + p.window_right + 1)));
-    const int nb_begin = lo / DecodeTiles::BLOCK_N, nb_end = hi > lo ? ceil_div(hi, DecodeTiles::BLOCK_N) : nb_begin;
+    const int nb_begin = lo / BLOCK_N, nb_end = hi > lo ? ceil_div(hi, BLOCK_N) : nb_begin;
 
     // How a block's keys map to memory: a block in one page (pages of whole blocks, and
     // always a contiguous cache) is one strided run found with one table read; with pages
-    // of whole 16-row runs, each warp's 16 keys are one; otherwise every row is looked up.
-    const bool whole_blocks = p.block_table == nullptr || p.page_size % DecodeTiles::BLOCK_N == 0;
+    // of whole 16-row runs, each run of 16 keys is one; otherwise every row is looked up.
+    const bool whole_blocks = p.block_table == nullptr || p.page_size % BLOCK_N == 0;
     const bool whole_runs = HEAD_DIM <= 128 && p.page_size % 16 == 0;   // (wider: its offsets would spill)
     auto load_kv = [&](int nb, int stage) {
-        const int n0 = nb * DecodeTiles::BLOCK_N, valid = min(DecodeTiles::BLOCK_N, nk - n0);
+        const int n0 = nb * BLOCK_N, valid = min(BLOCK_N, nk - n0);
         const u32 s_kb = s_k + stage * KVTile::BYTES, s_vb = s_v + stage * KVTile::BYTES;
         if (whole_blocks) {
             index_t ok, ov;
@@ -153,12 +164,16 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
             load_tile_async<KVTile, THREADS>(s_kb, g_k + ok, p.k_stride_row, valid, d);
             load_tile_async<KVTile, THREADS>(s_vb, g_v + ov, p.v_stride_row, valid, dv);
         } else if (whole_runs) {
+            // every run's table entry first, all in flight at once, then the copies
+            constexpr int RUNS = BLOCK_N / Tiles::RUN;
+            index_t ok[RUNS], ov[RUNS];
 #pragma unroll
-            for (int w = 0; w < DecodeTiles::WARPS; ++w) {
-                index_t ok, ov;   // (a run past the last key is all zeros: its first row clamped to one that exists)
-                p.key_offsets(b, e, min(n0 + w * 16, nk - 1), ok, ov);
-                load_tile_async<SubTile, THREADS>(s_kb + w * SUB_BYTES, g_k + ok, p.k_stride_row, valid - w * 16, d);
-                load_tile_async<SubTile, THREADS>(s_vb + w * SUB_BYTES, g_v + ov, p.v_stride_row, valid - w * 16, dv);
+            for (int w = 0; w < RUNS; ++w)   // (a run past the last key is all zeros: its first row clamped to one that exists)
+                p.key_offsets(b, e, min(n0 + w * Tiles::RUN, nk - 1), ok[w], ov[w]);
+#pragma unroll
+            for (int w = 0; w < RUNS; ++w) {
+                load_tile_async<RunTile, THREADS>(s_kb + w * RUN_BYTES, g_k + ok[w], p.k_stride_row, valid - w * Tiles::RUN, d);
+                load_tile_async<RunTile, THREADS>(s_vb + w * RUN_BYTES, g_v + ov[w], p.v_stride_row, valid - w * Tiles::RUN, dv);
             }
         } else {
             auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
@@ -191,19 +206,24 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
         __syncthreads();               // ... everywhere, and step i-1 is done with its stage
         load_step(i);
 
-        typename T::dot_sum s[M_TILES][2][4];
+        typename T::dot_sum s[M_TILES][N_TILES][4];
         fill_zero(s);
         const u32 s_k_warp = s_k + stage * KVTile::BYTES + warp * SUB_BYTES;
         // (rolled over the head dim where the accumulators are large: hoisted loads would spill)
         constexpr int QK_UNROLL = M_TILES * D_TILES * 4 >= 128 ? 1 : T::K_UNROLL;
         mma_rows_rows<T, QTile, SubTile, HEAD_DIM, QK_UNROLL>(s, s_q, 0, s_k_warp);
-        // the band per row: row r of the block is new row (row0 + r) % nq
+        // the band per row: row r of the block is new row (row0 + r) % nq. The warp's keys
+        // need it only where the split's ends or the band's edges cut them (rows past
+        // `rows` read zeros from Q and are never written, masked or not).
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-        const int key0 = nb * DecodeTiles::BLOCK_N + warp * 16;
+        const int key0 = nb * BLOCK_N + warp * Tiles::WARP_KEYS, key_last = key0 + Tiles::WARP_KEYS - 1;
+        const bool cut = key0 < k_begin || key_last >= k_end || key_last > q_lo + off + p.window_right ||
+                         index_t(key0) < q_hi + off - p.window_left;
+        if (cut)
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+            for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                 for (int x = 0; x < 4; ++x) {
                     const int r = mt * 16 + g + 8 * (x >> 1), j = key0 + nt * 8 + 2 * t + (x & 1);
@@ -220,9 +240,9 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
 
     // Merge the warps' (m, l, acc) per row through shared memory: each warp's
     // weight is exp2((m_w - m) * scale_log2) against the row's best m.
-    float* s_m = reinterpret_cast<float*>(smem + QTile::BYTES);          // [warp][ROWS]
-    float* s_l = s_m + DecodeTiles::WARPS * ROWS;                               // [warp][ROWS]
-    float* s_acc = s_l + DecodeTiles::WARPS * ROWS;                             // [warp][ROWS][HEAD_DIM]
+    float* s_m = reinterpret_cast<float*>(smem + QTile::BYTES);   // [warp][ROWS]
+    float* s_l = s_m + Tiles::WARPS * ROWS;                        // [warp][ROWS]
+    float* s_acc = s_l + Tiles::WARPS * ROWS;                      // [warp][ROWS][HEAD_DIM]
     {
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
@@ -245,22 +265,22 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
     __syncthreads();
     const bool parts = p.splits > 1;
     const index_t out_row0 = index_t(be) * p.rows + row0;
-    for (int r = warp; r < rows; r += DecodeTiles::WARPS) {
+    for (int r = warp; r < rows; r += Tiles::WARPS) {
         // the row's reference m: the best (largest scaled) m among the warps that saw a key
         // (l != 0: positive, or NaN from NaN inputs, which then stays NaN)
         float best = -CUFLASH_INF;
         bool any = false;
 #pragma unroll
-        for (int w = 0; w < DecodeTiles::WARPS; ++w) {
+        for (int w = 0; w < Tiles::WARPS; ++w) {
             const float m = s_m[w * ROWS + r];
             if (s_l[w * ROWS + r] != 0.f) {
                 best = !any ? m : (scale_log2 >= 0.f ? fmaxf(best, m) : fminf(best, m));
                 any = true;
             }
         }
-        float weight[DecodeTiles::WARPS], total = 0.f;
+        float weight[Tiles::WARPS], total = 0.f;
 #pragma unroll
-        for (int w = 0; w < DecodeTiles::WARPS; ++w) {
+        for (int w = 0; w < Tiles::WARPS; ++w) {
             const float m = s_m[w * ROWS + r], l = s_l[w * ROWS + r];
             weight[w] = l != 0.f ? exp2_p<T>(softmax.template exponent<0>(m - best, scale_log2)) : 0.f;
             total += weight[w] * l;
@@ -271,7 +291,7 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
         for (int c = threadIdx.x % 32; c < dv; c += 32) {
             float o = 0.f;
 #pragma unroll
-            for (int w = 0; w < DecodeTiles::WARPS; ++w) o += weight[w] * s_acc[(w * ROWS + r) * HEAD_DIM + c];
+            for (int w = 0; w < Tiles::WARPS; ++w) o += weight[w] * s_acc[(w * ROWS + r) * HEAD_DIM + c];
             o *= inv;
             if (parts) p.part_out[(index_t(split) * p.batch * p.entries * p.rows + out_row0 + r) * dv + c] = o;
             else Store<T>::one(static_cast<Storage*>(p.out) + (out_row0 + r) * dv + c, saturate<T>(o));
@@ -281,15 +301,25 @@ __global__ void __launch_bounds__(DecodeTiles::WARPS * 32, 1) attn_decode(const 
             else p.lse[out_row0 + r] = row_lse;
         }
     }
-}
+    if (!parts) return;
 
-// The splits' float32 partials merged by logsumexp into out (T) and lse: one block per row.
-template <class T>
-__global__ void __launch_bounds__(MergeTiles::WARPS * 32) combine_splits(const DecodeParams p) {
-    const index_t rows = p.batch * p.entries * p.rows, row = blockIdx.x;
-    merge_row<T>(int(p.splits), int(p.dv), row,
-                 [&](int s) { return p.part_lse[s * rows + row]; },
-                 [&](int s, int c) { return p.part_out[(s * rows + row) * p.dv + c]; }, p.out, p.lse);
+    // The last of the rows' splits to finish merges them: partials visible everywhere
+    // before the count (a fence), the count taken by atomicInc, which wraps to 0 at
+    // `splits` and so leaves the counter ready for the next call.
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned done = atomicInc(p.split_counts + index_t(be) * gridDim.z + blockIdx.z, unsigned(p.splits - 1));
+        s_last = done == unsigned(p.splits - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const index_t total_rows = p.batch * p.entries * p.rows;
+    merge_rows_by_warp<T, HEAD_DIM, Tiles::WARPS>(
+        int(p.splits), dv, out_row0, rows, [&](int s, index_t row) { return __ldcg(p.part_lse + s * total_rows + row); },
+        [&](int s, index_t row) { return p.part_out + (s * total_rows + row) * dv; }, p.out, p.lse);
 }
 
 }  // namespace cuflash

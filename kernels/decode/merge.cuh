@@ -2,9 +2,11 @@
 // over each (cuflash.merge_attention, and the splits of a decoding call):
 // out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s), in float32.
 //
-// One block per query row. Merging is a handful of dependent loads per part, so the
-// parts are spread over the block's warps (warp w takes parts w, w + MergeTiles::WARPS, ...),
-// each lane a set of output columns, and the warps' sums meet in shared memory.
+// merge_attention: one block per query row. Merging is a handful of dependent loads per
+// part, so the parts are spread over the block's warps (warp w takes parts w,
+// w + MergeTiles::WARPS, ...), each lane a set of output columns, and the warps' sums meet
+// in shared memory. The splits of a decoding call: merge_rows_by_warp, inside the decoding
+// kernel's last block of each row group, one warp per row.
 #pragma once
 
 namespace cuflash {
@@ -62,6 +64,98 @@ __device__ __forceinline__ void merge_row(int parts, int dv, index_t row, LseOf 
         __syncthreads();   // s_sum is free for the next pass
     }
     if (threadIdx.x == 0) lse[row] = total;
+}
+
+// Rows [first, first + count) of a merge, one warp per row (warp w of WARPS takes rows
+// first + w, first + w + WARPS, ...): for the block of a split decoding call that merges
+// its rows' float32 partials. Part s of row `row` has lse lse_of(s, row) and dv float
+// outputs from row_of(s, row) on, on 16-byte boundaries (dv a multiple of 4, at most
+// HEAD_DIM), all of them written (a part without keys: lse -inf, out 0). Lanes take float4
+// columns, and where a row has fewer than 32 of them, several parts at once, summed by
+// shuffles at the end. The loads of a batch of parts go out together, at clamped (valid)
+// addresses, before any is used: a part's weight waits on its lse, and a load behind that
+// test would wait a round trip to L2 per part. Loads go to L2 (ld.global.cg): the parts
+// were written by other blocks of the same grid.
+template <class T, int HEAD_DIM, int WARPS, class LseOf, class RowOf>
+__device__ __forceinline__ void merge_rows_by_warp(int parts, int dv, index_t first, int count, LseOf lse_of,
+                                                   RowOf row_of, void* out, float* lse) {
+    using Storage = typename T::storage;
+    constexpr int CHUNKS = HEAD_DIM / 4;                     // float4 columns of the widest row
+    constexpr int COL_LANES = CHUNKS < 32 ? CHUNKS : 32;     // lanes over a row's columns
+    constexpr int PART_LANES = 32 / COL_LANES;               // parts a warp reads at once
+    constexpr int COL_ITERS = CHUNKS / COL_LANES;
+    constexpr int BATCH = COL_ITERS >= 8 ? 1 : 8 / COL_ITERS;   // parts per lane in flight at once
+    constexpr int LSE_BATCH = 4;                                 // lse per lane in flight at once
+    const int lane = threadIdx.x % 32, col = lane % COL_LANES, slot = lane / COL_LANES;
+    const int last_chunk = dv / 4 - 1;
+    for (int i = threadIdx.x / 32; i < count; i += WARPS) {
+        const index_t row = first + i;
+        // the row's lse over the parts, lanes over the parts
+        float top = -CUFLASH_INF, sum = 0.f;
+        for (int s0 = 0; s0 < parts; s0 += 32 * LSE_BATCH) {
+            float l[LSE_BATCH];
+#pragma unroll
+            for (int u = 0; u < LSE_BATCH; ++u) l[u] = lse_of(min(s0 + u * 32 + lane, parts - 1), row);
+#pragma unroll
+            for (int u = 0; u < LSE_BATCH; ++u) {
+                const float x = s0 + u * 32 + lane < parts ? l[u] : -CUFLASH_INF;
+                const float next = fmaxf(top, x);   // (a running sum, rescaled as the top grows)
+                sum = (next == -CUFLASH_INF ? 0.f : sum * expf(top - next)) +
+                      (x == -CUFLASH_INF ? 0.f : expf(x - next));
+                top = next;
+            }
+        }
+        const float row_top = warp_max(top);
+        sum = warp_sum(row_top == -CUFLASH_INF ? 0.f : sum * expf(top - row_top));
+        const float total = row_top == -CUFLASH_INF ? -CUFLASH_INF : row_top + logf(sum);
+
+        float4 acc[COL_ITERS];
+#pragma unroll
+        for (int j = 0; j < COL_ITERS; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (total != -CUFLASH_INF)
+            for (int s0 = slot; s0 < parts; s0 += PART_LANES * BATCH) {
+                float l[BATCH];
+                float4 o[BATCH][COL_ITERS];
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u) {
+                    const int s = min(s0 + u * PART_LANES, parts - 1);
+                    l[u] = lse_of(s, row);
+                    const float4* src = reinterpret_cast<const float4*>(row_of(s, row));
+#pragma unroll
+                    for (int j = 0; j < COL_ITERS; ++j) o[u][j] = __ldcg(src + min(col + j * COL_LANES, last_chunk));
+                }
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u) {
+                    // (a part without keys adds nothing, whatever its out holds)
+                    const bool seen = s0 + u * PART_LANES < parts && l[u] != -CUFLASH_INF;
+                    const float weight = expf(l[u] - total);
+#pragma unroll
+                    for (int j = 0; j < COL_ITERS; ++j) {
+                        acc[j].x = seen ? fmaf(weight, o[u][j].x, acc[j].x) : acc[j].x;
+                        acc[j].y = seen ? fmaf(weight, o[u][j].y, acc[j].y) : acc[j].y;
+                        acc[j].z = seen ? fmaf(weight, o[u][j].z, acc[j].z) : acc[j].z;
+                        acc[j].w = seen ? fmaf(weight, o[u][j].w, acc[j].w) : acc[j].w;
+                    }
+                }
+            }
+#pragma unroll
+        for (int j = 0; j < COL_ITERS; ++j) {
+#pragma unroll
+            for (int o = COL_LANES; o < 32; o *= 2) {
+                acc[j].x += __shfl_xor_sync(0xffffffffu, acc[j].x, o);
+                acc[j].y += __shfl_xor_sync(0xffffffffu, acc[j].y, o);
+                acc[j].z += __shfl_xor_sync(0xffffffffu, acc[j].z, o);
+                acc[j].w += __shfl_xor_sync(0xffffffffu, acc[j].w, o);
+            }
+            const int c = 4 * (col + j * COL_LANES);
+            if (slot == 0 && c < dv) {
+                Storage* dst = static_cast<Storage*>(out) + row * dv + c;
+                Store<T>::pair(dst, saturate<T>(acc[j].x), saturate<T>(acc[j].y));
+                Store<T>::pair(dst + 2, saturate<T>(acc[j].z), saturate<T>(acc[j].w));
+            }
+        }
+        if (lane == 0) lse[row] = total;
+    }
 }
 
 // The parts are separate arrays of one shape, contiguous, reached through tables of
