@@ -202,8 +202,10 @@ def kvcache_launches(x) -> KVCacheLaunches:
     row_groups = -(-rows // tiles.block_rows)
     decode = _compile.get_function(tiles.name(x.dtype_name, head_dim), smem)
     blocks = x.batch * x.entries * row_groups
-    splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, tiles.split_blocks_per_sm * sm_count(),
-                                       tiles.block_n, min(rows, tiles.block_rows))
+    whole_blocks = x.block_table is None or x.page_size % tiles.block_n == 0
+    per_sm = 1 if tiles.streams_alone(head_dim, itemsize, whole_blocks) else blocks_per_sm(decode, 128, smem)
+    splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(), tiles.block_n,
+                                       min(rows, tiles.block_rows))
     unbounded = x.capacity + x.nq
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])

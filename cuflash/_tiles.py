@@ -341,12 +341,14 @@ class DecodeTiles:
         stages = self.stages * 2 * self.block_n * head_dim * itemsize
         return self.block_rows * head_dim * itemsize + max(stages, 4 * self.block_rows * (head_dim + 2) * 4)
 
-    @property
-    def split_blocks_per_sm(self) -> int:
-        """Blocks per multiprocessor that split decoding plans for: one for 16 rows, whose
-        block streams as fast alone as beside a second (which would only add splits to
-        merge); two for 32, whose products are four times as many (bench/NOTES.md v15)."""
-        return 1 if self.block_rows == 16 else 2
+    def streams_alone(self, head_dim: int, itemsize: int, whole_blocks: bool) -> bool:
+        """Whether split decoding plans one block per multiprocessor rather than as many as
+        fit: for 16 rows whose stages are whole blocks (a contiguous cache, or pages that hold
+        them) of at least 32 KB, a block streams as fast alone as beside a second, which would
+        only add splits to merge. With 32 rows (four times the products), smaller stages, or
+        pages read run by run (a table read before each run's copy), more blocks hide more
+        (bench/NOTES.md v15)."""
+        return self.block_rows == 16 and whole_blocks and 2 * self.block_n * head_dim * itemsize >= 32 * 1024
 
     def name(self, dtype_name: str, head_dim: int) -> str:
         return (f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {self.block_rows // 16}, "
