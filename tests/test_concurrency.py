@@ -295,6 +295,7 @@ def test_forward_without_lse_in_a_cuda_graph_and_on_two_streams():
         captured = cuflash.attention(*problems[0], causal=True)
         graph = streams[0].end_capture()
         captured.fill(np.nan)
+    streams[0].synchronize()   # the poison in place before the graph writes it from the other stream
     outs = [[], []]
     for _ in range(10):
         for i, ((q, k, v), stream) in enumerate(zip(problems, streams)):
