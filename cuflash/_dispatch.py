@@ -206,7 +206,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
     per_sm = 1 if tiles.streams_alone(head_dim, itemsize, whole_blocks) else blocks_per_sm(decode, 128, smem)
     splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(), tiles.block_n,
                                        min(rows, tiles.block_rows))
-    unbounded = x.capacity + x.nq
+    left, right = _params.window_sides(x.left, x.right, x.nq, x.capacity)
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
     vn = (0, 0, 0) if x.v_new is None else tuple(st // itemsize for st in x.v_new.strides[:3])
@@ -217,8 +217,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
         batch=x.batch, entries=x.entries, rows=rows, nq=x.nq, d=x.d, dv=x.dv, n_new=x.n_new,
         seqlen_all=x.seqlen_all, capacity=x.capacity, page_size=x.page_size, num_pages=x.num_pages,
         max_pages=0 if x.block_table is None else x.block_table.shape[1],
-        window_left=unbounded if x.left is None else min(x.left, unbounded),
-        window_right=unbounded if x.right is None else min(x.right, unbounded),
+        window_left=left, window_right=right,
         scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,
     )
     runs = []

@@ -90,6 +90,14 @@ def fast_divisor(d: int) -> int:
 GRID_GROUP_BYTES = 16 << 20
 
 
+def window_sides(left, right, nq: int, nk: int) -> tuple[int, int]:
+    """The band's sides as the kernels take them (kernels/attention/mask.cuh), for Nq rows
+    (at most ``nq`` per sequence) against Nk keys (at most ``nk``): an unbounded side, or
+    one wider than the keys, becomes the least that reaches every key, left Nk and right
+    Nq, so that ``row + off + right + 1`` (at most Nk + Nq) stays within int32."""
+    return (nk if left is None else min(left, nk)), (nq if right is None else min(right, nq))
+
+
 def grid_group(x, entries: int) -> int:
     """Batch entries per group of a kernel's grid order (params.cuh: grid_position).
 
@@ -181,7 +189,7 @@ class Record:
 
 def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
     """The fields of ``AttnParams``, in order, pointers 0."""
-    unbounded = x.nq + x.nk
+    left, right = window_sides(x.left, x.right, x.nq, x.nk)
     n = len(layout.shape)
     pad = (0,) * (MAX_BATCH_DIMS - n)
     q_strides, k_strides, v_strides = (tuple(st) + pad for st in layout.strides)
@@ -190,8 +198,7 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
         0, 0, 0, 0, 0, 0, 0, 0,
         *x.row_strides,
         x.nq, x.nk, x.d, x.dv,
-        unbounded if x.left is None else min(x.left, unbounded),
-        unbounded if x.right is None else min(x.right, unbounded),
+        left, right,
         x.scale * math.log2(math.e),
         m_blocks, 0, layout.entries, group,
         layout.group_size, layout.group_inner, layout.q_group_stride,

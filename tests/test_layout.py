@@ -259,3 +259,17 @@ def test_decode_params_record_holds_every_field_in_order():
         _params.decode_params(**fields, stray=1)
     with pytest.raises(KeyError):
         _params.decode_params(**{n: x for n, x in fields.items() if n != "splits"})
+
+
+def test_window_sides_reach_every_key_and_fit_an_int():
+    """An unbounded (or wider than needed) side becomes the least that reaches every key:
+    row i of Nq sees key j < Nk iff i + off - left <= j <= i + off + right (off = Nk - Nq),
+    and the kernels' row + off + right + 1 stays below 2**31 for Nq + Nk below it."""
+    for nq, nk in ((1, 1), (3, 5), (7, 2), (2**30, 2**30 - 2)):
+        left, right = _params.window_sides(None, None, nq, nk)
+        off = nk - nq
+        assert (nq - 1) + off - left <= 0    # every row's left edge at or before key 0
+        assert 0 + off + right >= nk - 1     # every row's right edge at or past the last key
+        assert (nq - 1) + off + right + 1 < 2**31
+        assert _params.window_sides(5, 0, nq, nk) == (min(5, nk), 0)
+        assert _params.window_sides(10**12, 10**12, nq, nk) == (nk, nq)

@@ -2,7 +2,8 @@
 //
 // Bottom-right aligned band (FlashAttention-2): with off = nk - nq, row i
 // attends key j iff i + off - left <= j <= i + off + right and j < nk.
-// Causal is right = 0; "unbounded" sides arrive as nq + nk.
+// Causal is right = 0; "unbounded" sides arrive as the least that reaches every key
+// (left nk, right nq: _params.window_sides), so that row + off + right + 1 fits an int.
 #pragma once
 
 namespace cuflash {

@@ -67,7 +67,7 @@ __device__ __forceinline__ void merge_row(int parts, int dv, index_t row, LseOf 
 }
 
 // Rows [first, first + count) of a merge, one warp per row (warp w of WARPS takes rows
-// first + w, first + w + WARPS, ...): for the block of a split decoding call that merges
+// first + w, first + w + WARPS, ..., two at a time): for the block of a split decoding call that merges
 // its rows' float32 partials. Part s of row `row` has lse lse_of(s, row) and dv float
 // outputs from row_of(s, row) on, on 16-byte boundaries (dv a multiple of 4, at most
 // HEAD_DIM), all of them written (a part without keys: lse -inf, out 0). Lanes take float4
@@ -84,77 +84,109 @@ __device__ __forceinline__ void merge_rows_by_warp(int parts, int dv, index_t fi
     constexpr int COL_LANES = CHUNKS < 32 ? CHUNKS : 32;     // lanes over a row's columns
     constexpr int PART_LANES = 32 / COL_LANES;               // parts a warp reads at once
     constexpr int COL_ITERS = CHUNKS / COL_LANES;
-    constexpr int BATCH = COL_ITERS >= 8 ? 1 : 8 / COL_ITERS;   // parts per lane in flight at once
-    constexpr int LSE_BATCH = 4;                                 // lse per lane in flight at once
+    constexpr int BATCH = COL_ITERS >= 8 ? 1 : 8 / COL_ITERS;   // parts per lane and row in flight at once
+    constexpr int LSE_BATCH = 4;                                 // lse per lane and row in flight at once
+    constexpr int PAIR = 2;   // rows a warp merges at once, warps * PAIR apart, their loads side by side
     const int lane = threadIdx.x % 32, col = lane % COL_LANES, slot = lane / COL_LANES;
     const int last_chunk = dv / 4 - 1;
-    for (int i = threadIdx.x / 32; i < count; i += WARPS) {
-        const index_t row = first + i;
-        // the row's lse over the parts, lanes over the parts
-        float top = -CUFLASH_INF, sum = 0.f;
+    for (int i0 = threadIdx.x / 32; i0 < count; i0 += WARPS * PAIR) {
+        index_t row[PAIR];
+        bool live[PAIR];
+#pragma unroll
+        for (int r = 0; r < PAIR; ++r) {   // (a row past the last repeats it and is not stored)
+            live[r] = i0 + r * WARPS < count;
+            row[r] = first + min(i0 + r * WARPS, count - 1);
+        }
+        // each row's lse over the parts, lanes over the parts: a running sum, rescaled as the top grows
+        float top[PAIR], sum[PAIR], total[PAIR];
+#pragma unroll
+        for (int r = 0; r < PAIR; ++r) top[r] = -CUFLASH_INF, sum[r] = 0.f;
         for (int s0 = 0; s0 < parts; s0 += 32 * LSE_BATCH) {
-            float l[LSE_BATCH];
+            float l[PAIR][LSE_BATCH];
 #pragma unroll
-            for (int u = 0; u < LSE_BATCH; ++u) l[u] = lse_of(min(s0 + u * 32 + lane, parts - 1), row);
+            for (int r = 0; r < PAIR; ++r)
 #pragma unroll
-            for (int u = 0; u < LSE_BATCH; ++u) {
-                const float x = s0 + u * 32 + lane < parts ? l[u] : -CUFLASH_INF;
-                const float next = fmaxf(top, x);   // (a running sum, rescaled as the top grows)
-                sum = (next == -CUFLASH_INF ? 0.f : sum * expf(top - next)) +
-                      (x == -CUFLASH_INF ? 0.f : expf(x - next));
-                top = next;
-            }
+                for (int u = 0; u < LSE_BATCH; ++u) l[r][u] = lse_of(min(s0 + u * 32 + lane, parts - 1), row[r]);
+#pragma unroll
+            for (int r = 0; r < PAIR; ++r)
+#pragma unroll
+                for (int u = 0; u < LSE_BATCH; ++u) {
+                    const float x = s0 + u * 32 + lane < parts ? l[r][u] : -CUFLASH_INF;
+                    const float next = fmaxf(top[r], x);
+                    sum[r] = (next == -CUFLASH_INF ? 0.f : sum[r] * expf(top[r] - next)) +
+                             (x == -CUFLASH_INF ? 0.f : expf(x - next));
+                    top[r] = next;
+                }
         }
-        const float row_top = warp_max(top);
-        sum = warp_sum(row_top == -CUFLASH_INF ? 0.f : sum * expf(top - row_top));
-        const float total = row_top == -CUFLASH_INF ? -CUFLASH_INF : row_top + logf(sum);
+#pragma unroll
+        for (int r = 0; r < PAIR; ++r) {
+            const float row_top = warp_max(top[r]);
+            const float row_sum = warp_sum(row_top == -CUFLASH_INF ? 0.f : sum[r] * expf(top[r] - row_top));
+            total[r] = row_top == -CUFLASH_INF ? -CUFLASH_INF : row_top + logf(row_sum);
+        }
 
-        float4 acc[COL_ITERS];
+        float4 acc[PAIR][COL_ITERS];
 #pragma unroll
-        for (int j = 0; j < COL_ITERS; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (total != -CUFLASH_INF)
+        for (int r = 0; r < PAIR; ++r)
+#pragma unroll
+            for (int j = 0; j < COL_ITERS; ++j) acc[r][j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        bool any = false;
+#pragma unroll
+        for (int r = 0; r < PAIR; ++r) any |= total[r] != -CUFLASH_INF;
+        if (any)
             for (int s0 = slot; s0 < parts; s0 += PART_LANES * BATCH) {
-                float l[BATCH];
-                float4 o[BATCH][COL_ITERS];
+                float l[PAIR][BATCH];
+                float4 o[PAIR][BATCH][COL_ITERS];
 #pragma unroll
-                for (int u = 0; u < BATCH; ++u) {
-                    const int s = min(s0 + u * PART_LANES, parts - 1);
-                    l[u] = lse_of(s, row);
-                    const float4* src = reinterpret_cast<const float4*>(row_of(s, row));
+                for (int r = 0; r < PAIR; ++r)
 #pragma unroll
-                    for (int j = 0; j < COL_ITERS; ++j) o[u][j] = __ldcg(src + min(col + j * COL_LANES, last_chunk));
-                }
+                    for (int u = 0; u < BATCH; ++u) {
+                        const int s = min(s0 + u * PART_LANES, parts - 1);
+                        l[r][u] = lse_of(s, row[r]);
+                        const float4* src = reinterpret_cast<const float4*>(row_of(s, row[r]));
 #pragma unroll
-                for (int u = 0; u < BATCH; ++u) {
-                    // (a part without keys adds nothing, whatever its out holds)
-                    const bool seen = s0 + u * PART_LANES < parts && l[u] != -CUFLASH_INF;
-                    const float weight = expf(l[u] - total);
-#pragma unroll
-                    for (int j = 0; j < COL_ITERS; ++j) {
-                        acc[j].x = seen ? fmaf(weight, o[u][j].x, acc[j].x) : acc[j].x;
-                        acc[j].y = seen ? fmaf(weight, o[u][j].y, acc[j].y) : acc[j].y;
-                        acc[j].z = seen ? fmaf(weight, o[u][j].z, acc[j].z) : acc[j].z;
-                        acc[j].w = seen ? fmaf(weight, o[u][j].w, acc[j].w) : acc[j].w;
+                        for (int j = 0; j < COL_ITERS; ++j) o[r][u][j] = __ldcg(src + min(col + j * COL_LANES, last_chunk));
                     }
+#pragma unroll
+                for (int r = 0; r < PAIR; ++r)
+#pragma unroll
+                    for (int u = 0; u < BATCH; ++u) {
+                        // (a part without keys adds nothing, whatever its out holds; nor does any to a row without keys)
+                        const bool seen = s0 + u * PART_LANES < parts && l[r][u] != -CUFLASH_INF &&
+                                          total[r] != -CUFLASH_INF;
+                        const float weight = expf(l[r][u] - total[r]);
+#pragma unroll
+                        for (int j = 0; j < COL_ITERS; ++j) {
+                            float4& a = acc[r][j];
+                            const float4 x = o[r][u][j];
+                            a.x = seen ? fmaf(weight, x.x, a.x) : a.x;
+                            a.y = seen ? fmaf(weight, x.y, a.y) : a.y;
+                            a.z = seen ? fmaf(weight, x.z, a.z) : a.z;
+                            a.w = seen ? fmaf(weight, x.w, a.w) : a.w;
+                        }
+                    }
+            }
+#pragma unroll
+        for (int r = 0; r < PAIR; ++r) {
+#pragma unroll
+            for (int j = 0; j < COL_ITERS; ++j) {
+                float4& a = acc[r][j];
+#pragma unroll
+                for (int o = COL_LANES; o < 32; o *= 2) {
+                    a.x += __shfl_xor_sync(0xffffffffu, a.x, o);
+                    a.y += __shfl_xor_sync(0xffffffffu, a.y, o);
+                    a.z += __shfl_xor_sync(0xffffffffu, a.z, o);
+                    a.w += __shfl_xor_sync(0xffffffffu, a.w, o);
+                }
+                const int c = 4 * (col + j * COL_LANES);
+                if (live[r] && slot == 0 && c < dv) {
+                    Storage* dst = static_cast<Storage*>(out) + row[r] * dv + c;
+                    Store<T>::pair(dst, saturate<T>(a.x), saturate<T>(a.y));
+                    Store<T>::pair(dst + 2, saturate<T>(a.z), saturate<T>(a.w));
                 }
             }
-#pragma unroll
-        for (int j = 0; j < COL_ITERS; ++j) {
-#pragma unroll
-            for (int o = COL_LANES; o < 32; o *= 2) {
-                acc[j].x += __shfl_xor_sync(0xffffffffu, acc[j].x, o);
-                acc[j].y += __shfl_xor_sync(0xffffffffu, acc[j].y, o);
-                acc[j].z += __shfl_xor_sync(0xffffffffu, acc[j].z, o);
-                acc[j].w += __shfl_xor_sync(0xffffffffu, acc[j].w, o);
-            }
-            const int c = 4 * (col + j * COL_LANES);
-            if (slot == 0 && c < dv) {
-                Storage* dst = static_cast<Storage*>(out) + row * dv + c;
-                Store<T>::pair(dst, saturate<T>(acc[j].x), saturate<T>(acc[j].y));
-                Store<T>::pair(dst + 2, saturate<T>(acc[j].z), saturate<T>(acc[j].w));
-            }
+            if (live[r] && lane == 0) lse[row[r]] = total[r];
         }
-        if (lane == 0) lse[row] = total;
     }
 }
 
