@@ -202,8 +202,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
     row_groups = -(-rows // tiles.block_rows)
     decode = _compile.get_function(tiles.name(x.dtype_name, head_dim), smem)
     blocks = x.batch * x.entries * row_groups
-    whole_blocks = x.block_table is None or x.page_size % tiles.block_n == 0
-    per_sm = 1 if tiles.streams_alone(head_dim, itemsize, whole_blocks) else blocks_per_sm(decode, 128, smem)
+    per_sm = 1 if tiles.streams_alone(head_dim, itemsize) else blocks_per_sm(decode, 128, smem)
     splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(), tiles.block_n,
                                        min(rows, tiles.block_rows))
     left, right = _params.window_sides(x.left, x.right, x.nq, x.capacity)

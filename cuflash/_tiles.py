@@ -327,32 +327,40 @@ def sum_parts_name(dtype_name: str) -> str:
     return f"cuflash::sum_parts<{ELEMENT_TYPES[dtype_name][0]}>"
 
 
+# How the decoding kernel finds a block's keys (kernels/decode/decode.cuh: KeyLayout)
+KEY_BLOCKS, KEY_RUNS, KEY_ROWS = 0, 1, 2
+DECODE_RUN = 16   # rows of one run of a paged cache read run by run
+
+
 @dataclass(frozen=True)
 class DecodeTiles:
     """The decoding kernel's shape (kernels/decode/decode.cuh): query rows per block (16 or
-    32: M_TILES 1 or 2), keys per pipeline stage (64 or 128) and stages in flight."""
+    32: M_TILES 1 or 2), keys per pipeline stage (64 or 128), stages in flight, and how it
+    finds a block's keys (``layout``): as one strided block (a contiguous cache, or pages
+    that hold whole blocks), run by run of 16 rows, or row by row."""
 
     block_rows: int
     block_n: int
     stages: int
+    layout: int = KEY_BLOCKS
 
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
         # Q, then the K/V stages, which the warps' merge reuses afterwards
         stages = self.stages * 2 * self.block_n * head_dim * itemsize
         return self.block_rows * head_dim * itemsize + max(stages, 4 * self.block_rows * (head_dim + 2) * 4)
 
-    def streams_alone(self, head_dim: int, itemsize: int, whole_blocks: bool) -> bool:
+    def streams_alone(self, head_dim: int, itemsize: int) -> bool:
         """Whether split decoding plans one block per multiprocessor rather than as many as
-        fit: for 16 rows whose stages are whole blocks (a contiguous cache, or pages that hold
-        them) of at least 32 KB, a block streams as fast alone as beside a second, which would
-        only add splits to merge. With 32 rows (four times the products), smaller stages, or
-        pages read run by run (a table read before each run's copy), more blocks hide more
-        (bench/NOTES.md v15)."""
-        return self.block_rows == 16 and whole_blocks and 2 * self.block_n * head_dim * itemsize >= 32 * 1024
+        fit: for 16 rows whose stages are whole blocks of at least 32 KB, a block streams as
+        fast alone as beside a second, which would only add splits to merge. With 32 rows
+        (four times the products), smaller stages, or pages read run by run (a table read
+        before each run's copy), more blocks hide more (bench/NOTES.md v15)."""
+        return (self.block_rows == 16 and self.layout == KEY_BLOCKS
+                and 2 * self.block_n * head_dim * itemsize >= 32 * 1024)
 
     def name(self, dtype_name: str, head_dim: int) -> str:
         return (f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {self.block_rows // 16}, "
-                f"{self.stages}, {self.block_n}>")
+                f"{self.stages}, {self.block_n}, {self.layout}>")
 
 
 def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None = None) -> DecodeTiles:
@@ -365,12 +373,21 @@ def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None 
       hold whole blocks of 128, whose copies go run by run and need the four resident blocks
       of the smaller stages to hide the table reads.
     - three stages where they fit in 100 KB (two blocks per SM), two for float32 (registers).
+    - keys found block by block where pages hold whole blocks, else run by run where pages
+      hold whole runs of 16 rows (heads up to 128 wide: wider, the runs' offsets spill), else
+      row by row.
     """
     block_rows = 32 if rows > 16 and head_dim <= 128 and itemsize == 2 else 16
     wide_stages = head_dim <= 64 and itemsize == 2 and (page_size is None or page_size % 128 == 0)
     block_n = 128 if wide_stages else 64
     stages = 3 if itemsize == 2 and 3 * 2 * block_n * head_dim * itemsize <= 100 * 1024 else 2
-    return DecodeTiles(block_rows, block_n, stages)
+    if page_size is None or page_size % block_n == 0:
+        layout = KEY_BLOCKS
+    elif page_size % DECODE_RUN == 0 and head_dim <= 128:
+        layout = KEY_RUNS
+    else:
+        layout = KEY_ROWS
+    return DecodeTiles(block_rows, block_n, stages, layout)
 
 
 def decode_supported(head_dim: int, itemsize: int) -> bool:
@@ -386,8 +403,9 @@ def decode_specializations() -> list[str]:
         for hd in HEAD_DIM_BUCKETS:
             if not decode_supported(hd, itemsize):
                 continue
-            shapes = {decode_tiles(hd, rows, itemsize, page) for rows in (1, 32) for page in (None, 16)}
-            for tiles in sorted(shapes, key=lambda t: (t.block_rows, t.block_n)):
+            # every (block_n, layout) pair: contiguous, pages of whole 64-key blocks, runs, rows
+            shapes = {decode_tiles(hd, rows, itemsize, page) for rows in (1, 32) for page in (None, 64, 16, 8)}
+            for tiles in sorted(shapes, key=lambda t: (t.block_rows, t.block_n, t.layout)):
                 if tiles.smem_bytes(hd, itemsize) <= 227 * 1024:
                     names.append(tiles.name(dt, hd))
     return names

@@ -14,8 +14,9 @@ __device__ __forceinline__ u32 smem_address(const void* p) {
 // in eight different 16-byte bank groups, with no padding. G is the largest
 // power of two (at most 8) dividing the chunks per row; XOR-ing within groups
 // of G keeps every chunk inside its row.
-template <class Storage, int ROWS, int COLS>
+template <class Storage, int ROWS_, int COLS_>
 struct SmemTile {
+    static constexpr int ROWS = ROWS_, COLS = COLS_;
     static constexpr int ELEMS_PER_CHUNK = 16 / int(sizeof(Storage));
     static constexpr int CHUNKS = COLS / ELEMS_PER_CHUNK;
     static constexpr int ROWS_X_CHUNKS = ROWS * CHUNKS;
@@ -97,6 +98,28 @@ __device__ __forceinline__ void load_tile_async(u32 s_tile, const Storage* g, in
             const Storage* src = valid ? g + r * row_stride + c * Tile::ELEMS_PER_CHUNK : g;
             cp_async_16(s_tile + Tile::chunk_offset(r, c), src, valid);
         }
+    }
+}
+
+// load_tile_async of a tile known to be whole (every row and column valid): where the
+// threads cover whole rows, 8 of them (a swizzle period) per pass, the same strided copies
+// with no predicate or fallback address, three instructions per copy.
+template <class Tile, int THREADS, class Storage>
+__device__ __forceinline__ void load_whole_tile_async(u32 s_tile, const Storage* g, index_t row_stride) {
+    constexpr int TOTAL = Tile::ROWS_X_CHUNKS, ROW_STEP = THREADS / Tile::CHUNKS;
+    if constexpr (THREADS % Tile::CHUNKS == 0 && ROW_STEP % 8 == 0 && TOTAL % THREADS == 0) {
+        const int c = int(threadIdx.x) % Tile::CHUNKS, r = int(threadIdx.x) / Tile::CHUNKS;
+        const Storage* src = g + r * row_stride + c * Tile::ELEMS_PER_CHUNK;
+        const u32 dst = s_tile + Tile::chunk_offset(r, c);
+        const index_t src_step = ROW_STEP * row_stride;
+        constexpr u32 DST_STEP = u32(ROW_STEP * Tile::CHUNKS * 16);   // chunk_offset(r + ROW_STEP, c) - chunk_offset(r, c)
+#pragma unroll
+        for (int it = 0; it < TOTAL / THREADS; ++it) {
+            cp_async_16(dst + it * DST_STEP, src, true);
+            src += src_step;
+        }
+    } else {
+        load_tile_async<Tile, THREADS, true>(s_tile, g, row_stride, Tile::ROWS, Tile::COLS);
     }
 }
 

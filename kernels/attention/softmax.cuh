@@ -124,6 +124,21 @@ struct OnlineSoftmax {
         rescale(acc, alpha);
     }
 
+    // update() for a warp that owns its accumulator alone (no other warp waits on it): the
+    // rescale is skipped when no row of the warp moved its max, alpha then being exactly 1
+    // (most blocks once the maxima settle, and the rescale is the largest part of a short
+    // block's softmax: one multiply per accumulator).
+    template <bool MASKED, class Score, int N_TILES, int D_TILES>
+    __device__ __forceinline__ void update_warp(Score (&s)[M_TILES][N_TILES][4], float (&acc)[M_TILES][D_TILES][4],
+                                                float scale_log2) {
+        float alpha[M_TILES][2];
+        probabilities<MASKED>(s, scale_log2, alpha);
+        bool moved = false;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) rescale(acc, alpha);
+    }
+
     // out = acc / l; lse = ln(sum exp(scale * score)) = (m * scale_log2 + P_SHIFT + log2 l) * ln 2.
     // A row that saw no key gets out = 0 and lse = -inf. APPROX: the hardware's reciprocal and
     // log2 (1 ulp; 2^-22 absolute), a sixth of the instructions of the IEEE forms with their

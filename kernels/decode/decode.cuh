@@ -102,6 +102,13 @@ __device__ __forceinline__ void load_rows_async(u32 s_tile, RowPtr row_ptr, int 
     }
 }
 
+// How a block of keys maps to memory, fixed per kernel so that each holds only its own
+// copy loop (one loop's code, short enough to stay in the instruction cache):
+// BLOCKS: one strided run found with one table read (a contiguous cache, or pages that
+// hold whole blocks); RUNS: pages of whole 16-row runs, one table read per run; ROWS:
+// any page size, every row looked up.
+enum class KeyLayout : int { BLOCKS = 0, RUNS = 1, ROWS = 2 };
+
 // The decoding kernel's block: four warps, BLOCK_N keys per pipeline stage (BLOCK_N / 4
 // per warp, 64 or 128: narrow heads take more keys per stage, so that a stage moves as many
 // bytes and its fixed costs, the barrier and the softmax's reductions, spread over more).
@@ -115,7 +122,7 @@ struct DecodeTiles {
 };
 
 // grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it
-template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N>
+template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N, int LAYOUT>
 __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_decode(const DecodeParams p) {
     using Storage = typename T::storage;
     using Tiles = DecodeTiles<BLOCK_N>;
@@ -150,20 +157,25 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     const int hi = min(k_end, int(min(index_t(nk), q_hi + off + p.window_right + 1)));
     const int nb_begin = lo / BLOCK_N, nb_end = hi > lo ? ceil_div(hi, BLOCK_N) : nb_begin;
 
-    // How a block's keys map to memory: a block in one page (pages of whole blocks, and
-    // always a contiguous cache) is one strided run found with one table read; with pages
-    // of whole 16-row runs, each run of 16 keys is one; otherwise every row is looked up.
-    const bool whole_blocks = p.block_table == nullptr || p.page_size % BLOCK_N == 0;
-    const bool whole_runs = HEAD_DIM <= 128 && p.page_size % 16 == 0;   // (wider: its offsets would spill)
+    // (the host picks LAYOUT from the page size: _tiles.decode_tiles)
+    static_assert(LAYOUT != int(KeyLayout::RUNS) || (HEAD_DIM <= 128 && BLOCK_N % Tiles::RUN == 0),
+                  "runs of 16 rows for heads up to 128 wide (wider: the runs' offsets would spill)");
     auto load_kv = [&](int nb, int stage) {
         const int n0 = nb * BLOCK_N, valid = min(BLOCK_N, nk - n0);
         const u32 s_kb = s_k + stage * KVTile::BYTES, s_vb = s_v + stage * KVTile::BYTES;
-        if (whole_blocks) {
+        if constexpr (LAYOUT == int(KeyLayout::BLOCKS)) {
             index_t ok, ov;
             p.key_offsets(b, e, n0, ok, ov);
-            load_tile_async<KVTile, THREADS>(s_kb, g_k + ok, p.k_stride_row, valid, d);
-            load_tile_async<KVTile, THREADS>(s_vb, g_v + ov, p.v_stride_row, valid, dv);
-        } else if (whole_runs) {
+            // (strided: each thread steps down the rows by constants; all but a sequence's
+            // last block are whole, and take copies with no predicates)
+            if (valid == BLOCK_N && d == HEAD_DIM && dv == HEAD_DIM) {
+                load_whole_tile_async<KVTile, THREADS>(s_kb, g_k + ok, p.k_stride_row);
+                load_whole_tile_async<KVTile, THREADS>(s_vb, g_v + ov, p.v_stride_row);
+            } else {
+                load_tile_async<KVTile, THREADS, true>(s_kb, g_k + ok, p.k_stride_row, valid, d);
+                load_tile_async<KVTile, THREADS, true>(s_vb, g_v + ov, p.v_stride_row, valid, dv);
+            }
+        } else if constexpr (LAYOUT == int(KeyLayout::RUNS)) {
             // every run's table entry first, all in flight at once, then the copies
             constexpr int RUNS = BLOCK_N / Tiles::RUN;
             index_t ok[RUNS], ov[RUNS];
@@ -219,20 +231,23 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         const int key0 = nb * BLOCK_N + warp * Tiles::WARP_KEYS, key_last = key0 + Tiles::WARP_KEYS - 1;
         const bool cut = key0 < k_begin || key_last >= k_end || key_last > q_lo + off + p.window_right ||
                          index_t(key0) < q_hi + off - p.window_left;
-        if (cut)
+        if (cut) {
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
+            for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
+                for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                for (int x = 0; x < 4; ++x) {
-                    const int r = mt * 16 + g + 8 * (x >> 1), j = key0 + nt * 8 + 2 * t + (x & 1);
-                    const int qi = (row0 + r) % nq;
-                    const bool seen = r < rows && j >= k_begin && j < k_end && j <= qi + off + p.window_right &&
-                                      index_t(j) >= qi + off - p.window_left;
-                    if (!seen) s[mt][nt][x] = -CUFLASH_INF;
-                }
-        softmax.template update<true>(s, acc, scale_log2);
+                    for (int x = 0; x < 4; ++x) {
+                        const int r = mt * 16 + g + 8 * (x >> 1), j = key0 + nt * 8 + 2 * t + (x & 1);
+                        const int qi = (row0 + r) % nq;
+                        const bool seen = r < rows && j >= k_begin && j < k_end && j <= qi + off + p.window_right &&
+                                          index_t(j) >= qi + off - p.window_left;
+                        if (!seen) s[mt][nt][x] = -CUFLASH_INF;
+                    }
+            softmax.template update_warp<true>(s, acc, scale_log2);
+        } else {
+            softmax.template update_warp<false>(s, acc, scale_log2);
+        }
         mma_regs_cols<T, SubTile>(acc, s, s_v + stage * KVTile::BYTES + warp * SUB_BYTES, 0);
     }
     cp_async_wait<0>();
