@@ -6,24 +6,34 @@
 
 Cells: fp16 and bf16, D in {64, 128}, B in {1, 8, 64}, Hq:Hkv in {32:32, 32:8, 64:8},
 Nk in {4K, 32K, 128K} keys already cached, Nq in {1, 4} new query rows; cells whose K and V
-pass 40 GB are skipped. Bandwidth: the bytes of K and V read once / time, in TB/s (CUDA-event
-medians of one synchronized call per sample, as the other benchmarks, and of calls queued back
-to back: the first counts the host's time per call, the second the kernels'). cuflash reads
+pass 40 GB are skipped. Bandwidth: the bytes of K and V read once / time, in TB/s. Timing:
+a model reads each layer's cache once per step, with the other layers' work in between, so
+a cell whose K and V are small holds several copies of them (together past 256 MB, five
+times the H200's L2) and consecutive calls read different copies, none of them in L2. The
+implementations of a cell take turns, round by round (rotated starting order; 7 rounds):
+each round times, per implementation, calls queued back to back (about 2 ms of them, 3 to
+20 calls, at least two per copy: the host's time hidden, the kernels') and one synchronized
+call (the host's time counted); a cell reports the medians over the rounds. Taking turns cancels drift between implementations
+measured one after the other (clocks, the cache, the memory's state). cuflash reads
 q as (B, Hkv, G, Nq, D) against (B, Hkv, 1, Nk, D) caches; SDPA gets (B, Hq, Nq, D) against
 (B, Hkv, Nk, D) with enable_gqa. With Nq = 4 cuflash's rows are causal (bottom-right: the
 new rows see the cache and the new rows before them); SDPA's is_causal aligns to the top-left
 corner, which would skip the cache, so the rivals run those cells without a mask: the same
 bytes, 6 of Nk * 4 scores apart. cuflash also runs on the same keys in pages of 16, 64 and
-256 rows, placed in a shuffled order. Then a loop of 256 decoding steps, each appending one
-key to every sequence (device lengths, check=False), timed end to end: eagerly, and as one
-CUDA graph. Writes results.json and decode.png; prints the tables.
+256 rows, placed in a shuffled order, taking turns with each other (or alone, one page size
+at a time, where the three do not fit beside the contiguous cache). Then a loop of 256
+decoding steps, each appending one key to every sequence (device lengths, check=False),
+timed end to end: eagerly, and as one CUDA graph. Writes results.json and decode.png;
+prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import math
 import os
 import sys
 
@@ -33,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cuflash  # noqa: E402
 import bench_attention  # noqa: E402
-from bench_attention import TORCH_BACKENDS, free, log, median_ms, pyplot, queued_ms, run_meta, torch  # noqa: E402
+from bench_attention import TORCH_BACKENDS, free, log, pyplot, run_meta, torch  # noqa: E402
 
 try:
     import cupy
@@ -51,8 +61,52 @@ GRID = {
 QUICK = {"dtype": ("float16",), "D": (128,), "B": (1, 8), "heads": ((32, 8),), "Nk": (32768,), "Nq": (1, 4)}
 
 
-def timings(fn, repeat: int) -> dict:
-    return {"call_ms": median_ms(lambda: fn(), [()], repeat), "queued_ms": queued_ms(fn)}
+L2_SPAN = 256 * 10**6   # bytes of K and V that consecutive calls cycle through (5x the L2)
+MAX_COPIES = 32
+QUEUED_MS = 2.0         # a queued sample lasts about this long: up to 20 calls, at least 3
+
+
+def one_call_ms(fn) -> float:
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop)
+
+
+def queued_calls_ms(fns, calls: int) -> float:
+    """Per call, `calls` calls queued back to back, cycling through the copies' calls `fns`."""
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / calls
+
+
+def take_turns(impls: dict, rounds: int) -> dict:
+    """{name: {"call_ms", "queued_ms"}}: medians over `rounds` rounds in which every
+    implementation takes its turn, the starting one rotating from round to round. An
+    implementation is (its calls, one per copy of the data; a function that makes the
+    context its turns run in, such as SDPA's backend, or None)."""
+    names = list(impls)
+    calls = {}
+    for name, (fns, context) in impls.items():   # compiled, planned and warm; then how many calls a sample queues
+        with context() if context else contextlib.nullcontext():
+            for fn in fns:
+                fn()
+            first = queued_calls_ms(fns, len(fns))
+        calls[name] = max(2 * len(fns), min(20, max(3, math.ceil(QUEUED_MS / max(first, 1e-3)))))
+    samples = {n: {"call_ms": [], "queued_ms": []} for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fns, context = impls[name]
+            with context() if context else contextlib.nullcontext():
+                samples[name]["queued_ms"].append(queued_calls_ms(fns, calls[name]))
+                samples[name]["call_ms"].append(one_call_ms(fns[r % len(fns)]))
+    return {n: {kind: float(np.median(v)) for kind, v in samples[n].items()} for n in names}
 
 
 def draw(shape, dtype, rng):
@@ -73,35 +127,47 @@ def run_cell(dtype, d, b, hq, hkv, nk, nq, repeat) -> dict | None:
     kv_bytes = 2 * b * hkv * nk * d * 2
     if kv_bytes > MAX_CACHE_BYTES:
         return None
+    copies = max(1, min(MAX_COPIES, -(-L2_SPAN // kv_bytes)))
     rng = cupy.random.default_rng(nk + b)
     g = hq // hkv
-    q = draw((b, hkv, g, nq, d), dtype, rng)
-    k, v = draw((b, hkv, 1, nk, d), dtype, rng), draw((b, hkv, 1, nk, d), dtype, rng)
-    row = {"dtype": dtype, "D": d, "B": b, "Hq": hq, "Hkv": hkv, "Nk": nk, "Nq": nq, "bytes": kv_bytes, "ms": {}}
+    data = [(draw((b, hkv, g, nq, d), dtype, rng), draw((b, hkv, 1, nk, d), dtype, rng),
+             draw((b, hkv, 1, nk, d), dtype, rng)) for _ in range(copies)]
+    row = {"dtype": dtype, "D": d, "B": b, "Hq": hq, "Hkv": hkv, "Nk": nk, "Nq": nq, "bytes": kv_bytes,
+           "copies": copies, "ms": {}}
     causal = nq > 1
-    row["ms"]["cuflash"] = timings(lambda: cuflash.attention_kvcache(q, k, v, causal=causal, check=False), repeat)
+    impls = {"cuflash": ([lambda q=q, k=k, v=v: cuflash.attention_kvcache(q, k, v, causal=causal, check=False)
+                          for q, k, v in data], None)}
+    views = []
     if torch is not None:
-        tq = torch.from_dlpack(q.reshape(b, hq, nq, d))
-        tk, tv = torch.from_dlpack(k.reshape(b, hkv, nk, d)), torch.from_dlpack(v.reshape(b, hkv, nk, d))
+        views = [(torch.from_dlpack(q.reshape(b, hq, nq, d)), torch.from_dlpack(k.reshape(b, hkv, nk, d)),
+                  torch.from_dlpack(v.reshape(b, hkv, nk, d))) for q, k, v in data]
+        fns = [lambda t=t: bench_attention.sdpa(*t, enable_gqa=g > 1) for t in views]
         for name, backend in TORCH_BACKENDS.items():
             try:
                 with bench_attention.sdpa_kernel(backend):
-                    fn = lambda: bench_attention.sdpa(tq, tk, tv, enable_gqa=g > 1)  # noqa: E731 (see the docstring)
-                    row["ms"][name] = timings(fn, repeat)
+                    fns[0]()
             except RuntimeError as err:   # a backend without a kernel for the shape
                 log(f"  {name}: {str(err).splitlines()[0]}")
-        del tq, tk, tv
+                continue
+            impls[name] = (fns, lambda backend=backend: bench_attention.sdpa_kernel(backend))
+    row["ms"].update(take_turns(impls, repeat))
+    del impls, views
+    # the same keys in pages: the three page sizes take turns where they fit beside the cache
     seqlens = cupy.full((b,), nk, dtype=cupy.int32)
-    for page_size in PAGE_SIZES:
-        if 2 * kv_bytes > MAX_CACHE_BYTES:   # the paged copy beside the contiguous cache
-            continue
-        kp, table = paged_copy(k, page_size, rng)
-        vp, _ = paged_copy(v, page_size, rng)
-        fn = lambda: cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,  # noqa: E731
-                                               causal=causal, check=False)
-        row["ms"][f"cuflash paged {page_size}"] = timings(fn, repeat)
-        del kp, vp, table
-    del q, k, v
+    together = (1 + len(PAGE_SIZES)) * kv_bytes * copies <= MAX_CACHE_BYTES
+    groups = [PAGE_SIZES] if together else [(p,) for p in PAGE_SIZES if 2 * kv_bytes * copies <= MAX_CACHE_BYTES]
+    for group in groups:
+        impls, pages = {}, []
+        for page_size in group:
+            paged = [(q, *paged_copy(k, page_size, rng), paged_copy(v, page_size, rng)[0]) for q, k, v in data]
+            pages.append(paged)
+            impls[f"cuflash paged {page_size}"] = ([
+                lambda q=q, kp=kp, vp=vp, table=table: cuflash.attention_kvcache(
+                    q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=causal, check=False)
+                for q, kp, table, vp in paged], None)
+        row["ms"].update(take_turns(impls, repeat))
+        del impls, pages
+    del data
     free()
     return row
 
