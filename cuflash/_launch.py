@@ -173,8 +173,8 @@ DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
 # or captured in a CUDA graph may use it long after the call returns. Each block comes
 # straight from the driver (cupy.cuda.Memory), not from CuPy's pool, whose blocks are
 # ordered after the work of the one stream that freed them.
-_sinks: dict = {}        # device -> (pointer, bytes)
-_workspaces: dict = {}   # (device, stream) -> (pointer, counter bytes, partial bytes)
+_sinks: dict = {}        # device -> (pointer, (bytes,))
+_workspaces: dict = {}   # (device, stream) -> (pointer, (counter bytes, partial bytes))
 _held: list = []         # every block handed out, the replaced ones too
 _kept_lock = threading.Lock()
 
@@ -194,19 +194,28 @@ def _new_block(cupy, size: int, zeroed: bool):
     return memory.ptr
 
 
+def _kept(cupy, table: dict, key, needs: tuple[int, ...], floors: tuple[int, ...], zeroed: bool):
+    """(pointer, part sizes) of the block kept in ``table`` under ``key``: consecutive parts
+    of at least ``needs`` bytes each (256-byte multiples, each at least its floor), grown
+    (never shrunk) when a call needs more, a grown part at least doubling. Checked again
+    under the lock; a replaced block stays held for the kernels still queued on it."""
+    entry = table.get(key)
+    if entry is None or any(have < need for have, need in zip(entry[1], needs)):
+        with _kept_lock:
+            entry = table.get(key)
+            if entry is None or any(have < need for have, need in zip(entry[1], needs)):
+                sizes = tuple(-(-_grown(need, have) // 256) * 256
+                              for need, have in zip(needs, entry[1] if entry else floors))
+                entry = table[key] = (_new_block(cupy, sum(sizes), zeroed), sizes)
+    return entry
+
+
 def sink(cupy, device: int, nbytes: int) -> int:
     """A pointer to at least ``nbytes`` of ``device`` memory (the current device) that kernels
     may write and nothing reads: for an output a call does not return (lse without
     return_lse), in place of an allocation per call. One buffer per device, for every
     stream: concurrent writers cannot harm what nobody reads."""
-    entry = _sinks.get(device)
-    if entry is None or entry[1] < nbytes:
-        with _kept_lock:
-            entry = _sinks.get(device)
-            if entry is None or entry[1] < nbytes:
-                size = _grown(nbytes, entry[1] if entry else 1 << 16)
-                entry = _sinks[device] = (_new_block(cupy, size, False), size)
-    return entry[0]
+    return _kept(cupy, _sinks, device, (nbytes,), (1 << 16,), False)[0]
 
 
 def split_workspace(cupy, device: int, stream: int, count_bytes: int, part_bytes: int) -> tuple[int, int]:
@@ -214,13 +223,6 @@ def split_workspace(cupy, device: int, stream: int, count_bytes: int, part_bytes
     ``part_bytes`` for the float32 partials of split decoding on ``device`` (current), kept
     for the calls queued on ``stream`` alone: calls on one stream use them in turn, calls on
     two streams must not share them. The kernels leave the counters at zero."""
-    key = (device, stream)
-    entry = _workspaces.get(key)
-    if entry is None or entry[1] < count_bytes or entry[2] < part_bytes:
-        with _kept_lock:
-            entry = _workspaces.get(key)
-            if entry is None or entry[1] < count_bytes or entry[2] < part_bytes:
-                counts = -(-_grown(count_bytes, entry[1] if entry else 1 << 12) // 256) * 256
-                parts = _grown(part_bytes, entry[2] if entry else 1 << 20)
-                entry = _workspaces[key] = (_new_block(cupy, counts + parts, True), counts, parts)
-    return entry[0], entry[0] + entry[1]
+    pointer, (counts, _) = _kept(cupy, _workspaces, (device, stream), (count_bytes, part_bytes), (1 << 12, 1 << 20),
+                                 True)
+    return pointer, pointer + counts

@@ -160,13 +160,12 @@ def _device_lengths(cache_seqlens) -> bool:
     return not (cache_seqlens is None or type(cache_seqlens) is int or isinstance(cache_seqlens, numbers.Integral))
 
 
-def _kvcache_signature(arrays, cache_seqlens, block_table, causal, window, scale, num_splits, check):
+def _kvcache_signature(arrays, cache_seqlens, device_lengths, block_table, causal, window, scale, num_splits, check):
     """The cache key of an attention_kvcache call, or None when it must be checked every
     time: with ``check=True``, lengths or pages that live in arrays (their values are read);
     lengths or tables the kernels cannot read in place (NumPy, or not contiguous int32)."""
     if not (window is None or isinstance(window, (tuple, list))):
         return None
-    device_lengths = _device_lengths(cache_seqlens)
     if check is not False and (device_lengths or block_table is not None):
         return None
     try:
@@ -186,15 +185,15 @@ def _kvcache_signature(arrays, cache_seqlens, block_table, causal, window, scale
 def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check):
     """(plan, (q, k, v, seqlens, block_table, k_new, v_new) as the kernels read them) of an
     attention_kvcache call; raises as the checks do, before anything is written."""
-    key = _kvcache_signature((q, k_cache, v_cache, k_new, v_new), cache_seqlens, block_table, causal, window, scale,
-                             num_splits, check)
+    device_lengths = _device_lengths(cache_seqlens)
+    key = _kvcache_signature((q, k_cache, v_cache, k_new, v_new), cache_seqlens, device_lengths, block_table, causal,
+                             window, scale, num_splits, check)
     try:
         plan = _plans.get(key)
     except TypeError:   # an argument that cannot be part of a key: the checks say what is wrong with it
         key = plan = None
     if plan is not None:
-        lengths = cache_seqlens if _device_lengths(cache_seqlens) else None
-        return plan, (q, k_cache, v_cache, lengths, block_table, k_new, v_new)
+        return plan, (q, k_cache, v_cache, cache_seqlens if device_lengths else None, block_table, k_new, v_new)
     cupy = _checks.require_cupy()
     x = _checks.kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window,
                                scale, num_splits, check)

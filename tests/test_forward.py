@@ -71,6 +71,33 @@ def test_head_dim_64_short_keys_under_every_mask(dtype, mask, nq, nk):
     check_forward(q, k, v, **SHORT_MASKS[mask])
 
 
+@pytest.mark.parametrize("batch", [(3,), (3, 5), (7, 3)])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_short_keys_over_batches_that_are_not_powers_of_two(batch, mask):
+    """The short tiles' grid walks (batch, heads) by divisions that powers of two would hide."""
+    rng = np.random.default_rng(sum(batch) * 10 + len(mask))
+    q = random_array(rng, (*batch, 70, 64), "float16", 4.0)
+    k = random_array(rng, (*batch, 100, 64), "float16")
+    v = random_array(rng, (*batch, 100, 64), "float16")
+    check_forward(q, k, v, **SHORT_MASKS[mask])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("entries", [7, 8])
+def test_grid_order_with_a_smaller_last_group(monkeypatch, d, entries):
+    """Under a causal mask the forwards take batch entries in groups of as many as fit
+    GRID_GROUP_BYTES (params.cuh: grid_position); with groups of 3, 7 entries leave a last
+    group of 1 and 8 one of 2, which must still run every block of every entry."""
+    from cuflash import _params, _plans
+
+    n = 300
+    monkeypatch.setattr(_params, "GRID_GROUP_BYTES", 3 * n * 2 * d * 2)   # three entries' K and V
+    monkeypatch.setattr(_plans, "_plans", {})                              # plans made with the patch
+    rng = np.random.default_rng(entries * d)
+    q, k, v = (random_array(rng, (entries, 1, n, d), "float16") for _ in range(3))
+    check_forward(q, k, v, causal=True)
+
+
 # head dims that are not a multiple of 8 (zero-padded for the kernels), with Dv != D too
 ODD_HEAD_DIMS = ((1, 1), (7, 7), (59, 59), (100, 100), (111, 111), (255, 255), (3, 130), (200, 13))
 

@@ -75,9 +75,11 @@ struct AttnParams {
     // once share their K and V (or Q and dO) in L2; within a group the blocks
     // with the most keys under a causal mask go first (block num_blocks - 1 when
     // heavy_last), so the light ones fill the end of the grid.
-    // FAST_DIV: by fast_div, where num_blocks is num_m_blocks (grid_div).
+    // FAST_DIV: by fast_div, whose constant grid_div holds for num_m_blocks blocks per
+    // entry, so those are the blocks (a forward's), whatever num_blocks says.
     template <bool FAST_DIV = false>
     __device__ __forceinline__ void grid_position(u32 index, u32 num_blocks, bool heavy_last, u32& batch, u32& block) const {
+        if constexpr (FAST_DIV) num_blocks = u32(num_m_blocks);
         const u32 group = u32(grid_group), per_group = group * num_blocks;
         if constexpr (FAST_DIV) {
             const u32 g = fast_div(index, grid_div), first = g * group, r = index - g * per_group;
@@ -104,7 +106,7 @@ struct AttnParams {
     // parameters are (the constant bank) rather than in registers.
     // GRID_ORDER: dense blocks in grid_position's order; else entry by entry, blocks
     // in order (the portable kernels, whose registers are at the limit).
-    // FAST_DIV: the divisions by fast_div (a forward's: num_blocks is num_m_blocks).
+    // FAST_DIV: the divisions by fast_div (a forward's: num_m_blocks blocks per entry).
     template <bool PACKED, bool GRID_ORDER = true, bool FAST_DIV = false>
     __device__ __forceinline__ bool work_at(u32 index, u32 num_blocks, bool heavy_last, Work& w) const {
         if (!PACKED) {

@@ -17,6 +17,40 @@ struct MergeTiles {
     static constexpr int COLS_PER_LANE = 4;  // columns a lane holds at once: 128 per pass of a warp
 };
 
+// The logsumexp of ROWS rows' parts, by one warp, each lane's share of the parts a running
+// sum rescaled as its top grows: lse_of(s, r) is part s's lse in row r; BATCH loads per lane
+// and row go out together (at clamped, valid indices) before any is used.
+template <int ROWS, int BATCH, class LseOf>
+__device__ __forceinline__ void warp_logsumexp(int parts, LseOf lse_of, float (&total)[ROWS]) {
+    const int lane = threadIdx.x % 32;
+    float top[ROWS], sum[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) top[r] = -CUFLASH_INF, sum[r] = 0.f;
+    for (int s0 = 0; s0 < parts; s0 += 32 * BATCH) {
+        float l[ROWS][BATCH];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) l[r][u] = lse_of(min(s0 + u * 32 + lane, parts - 1), r);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const float x = s0 + u * 32 + lane < parts ? l[r][u] : -CUFLASH_INF;
+                const float next = fmaxf(top[r], x);
+                sum[r] = (next == -CUFLASH_INF ? 0.f : sum[r] * expf(top[r] - next)) +
+                         (x == -CUFLASH_INF ? 0.f : expf(x - next));
+                top[r] = next;
+            }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float row_top = warp_max(top[r]);
+        const float row_sum = warp_sum(row_top == -CUFLASH_INF ? 0.f : sum[r] * expf(top[r] - row_top));
+        total[r] = row_top == -CUFLASH_INF ? -CUFLASH_INF : row_top + logf(row_sum);
+    }
+}
+
 // Row `row` of a merge, by the whole block: part s's lse is lse_of(s), its output column c
 // out_of(s, c) (as float); out and lse are the merged arrays, (rows, dv) and (rows).
 template <class T, class LseOf, class OutOf>
@@ -27,14 +61,9 @@ __device__ __forceinline__ void merge_row(int parts, int dv, index_t row, LseOf 
     __shared__ float s_sum[MergeTiles::WARPS][PASS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // the row's lse, found by every warp alike (lanes over the parts)
-    float top = -CUFLASH_INF;
-    for (int s = lane; s < parts; s += 32) top = fmaxf(top, lse_of(s));
-    top = warp_max(top);
-    float sum = 0.f;
-    if (top != -CUFLASH_INF)
-        for (int s = lane; s < parts; s += 32) sum += expf(lse_of(s) - top);
-    sum = warp_sum(sum);
-    const float total = top == -CUFLASH_INF ? -CUFLASH_INF : top + logf(sum);
+    float totals[1];
+    warp_logsumexp<1, 2>(parts, [&](int s, int) { return lse_of(s); }, totals);
+    const float total = totals[0];
 
     Storage* dst = static_cast<Storage*>(out) + row * dv;
     for (int c0 = 0; c0 < dv; c0 += PASS) {
@@ -97,33 +126,8 @@ __device__ __forceinline__ void merge_rows_by_warp(int parts, int dv, index_t fi
             live[r] = i0 + r * WARPS < count;
             row[r] = first + min(i0 + r * WARPS, count - 1);
         }
-        // each row's lse over the parts, lanes over the parts: a running sum, rescaled as the top grows
-        float top[PAIR], sum[PAIR], total[PAIR];
-#pragma unroll
-        for (int r = 0; r < PAIR; ++r) top[r] = -CUFLASH_INF, sum[r] = 0.f;
-        for (int s0 = 0; s0 < parts; s0 += 32 * LSE_BATCH) {
-            float l[PAIR][LSE_BATCH];
-#pragma unroll
-            for (int r = 0; r < PAIR; ++r)
-#pragma unroll
-                for (int u = 0; u < LSE_BATCH; ++u) l[r][u] = lse_of(min(s0 + u * 32 + lane, parts - 1), row[r]);
-#pragma unroll
-            for (int r = 0; r < PAIR; ++r)
-#pragma unroll
-                for (int u = 0; u < LSE_BATCH; ++u) {
-                    const float x = s0 + u * 32 + lane < parts ? l[r][u] : -CUFLASH_INF;
-                    const float next = fmaxf(top[r], x);
-                    sum[r] = (next == -CUFLASH_INF ? 0.f : sum[r] * expf(top[r] - next)) +
-                             (x == -CUFLASH_INF ? 0.f : expf(x - next));
-                    top[r] = next;
-                }
-        }
-#pragma unroll
-        for (int r = 0; r < PAIR; ++r) {
-            const float row_top = warp_max(top[r]);
-            const float row_sum = warp_sum(row_top == -CUFLASH_INF ? 0.f : sum[r] * expf(top[r] - row_top));
-            total[r] = row_top == -CUFLASH_INF ? -CUFLASH_INF : row_top + logf(row_sum);
-        }
+        float total[PAIR];   // each row's lse over the parts
+        warp_logsumexp<PAIR, LSE_BATCH>(parts, [&](int s, int r) { return lse_of(s, row[r]); }, total);
 
         float4 acc[PAIR][COL_ITERS];
 #pragma unroll
