@@ -25,6 +25,7 @@ KERNEL_FILES = (
     "arch/mma.cuh",
     "arch/wgmma.cuh",
     "arch/mbarrier.cuh",
+    "arch/tma.cuh",
     # attention/: what every kernel shares
     "attention/mask.cuh",
     "attention/softmax.cuh",
