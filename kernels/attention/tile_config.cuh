@@ -1,6 +1,6 @@
 // tile_config.cuh: tile shapes and the shared-memory layout they imply,
 // kept apart from the algorithm. The shapes themselves are chosen per
-// (dtype, head dim) in cuflash/_dispatch.py and arrive as template arguments.
+// (dtype, head dim) in cuflash/_tiles.py and arrive as template arguments.
 #pragma once
 
 namespace cuflash {
