@@ -48,13 +48,24 @@ def test_script_without_gpu_says_why_in_one_line(tmp_path, script, args):
     assert lines[0].startswith(f"{name}: cuflash's GPU functions need an NVIDIA GPU: "), lines[0]
 
 
+def run_against(script, tmp_path, now: dict, before: dict) -> list[str]:
+    """The output lines of a summarizer run on ``now`` with --against ``before`` (written as JSON)."""
+    import json
+
+    (tmp_path / "now.json").write_text(json.dumps(now))
+    (tmp_path / "before.json").write_text(json.dumps(before))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "now.json"), "--against",
+                           str(tmp_path / "before.json")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 def test_summarize_compares_two_runs(tmp_path):
     """bench/summarize.py on two small grids: the table, the cells below FA2, and --against
     (each provider against its own earlier cell; a cell one run lacks is left out)."""
     script = ROOT / "bench/summarize.py"
     if not script.is_file():
         pytest.skip("bench/summarize.py is not beside the tests (they run outside a source checkout)")
-    import json
 
     def rows(cuflash_tflops, fa2=True):
         out = []
@@ -65,14 +76,41 @@ def test_summarize_compares_two_runs(tmp_path):
                             "tflops": {"cuflash": tflops, **rivals}})
         return out
 
-    (tmp_path / "now.json").write_text(json.dumps({"rows": rows((90.0, 120.0, 130.0))}))
-    (tmp_path / "before.json").write_text(json.dumps({"rows": rows((90.0, 100.0, 130.0), fa2=False)}))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "now.json"), "--against",
-                           str(tmp_path / "before.json")], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    lines = run_against(script, tmp_path, {"rows": rows((90.0, 120.0, 130.0))},
+                        {"rows": rows((90.0, 100.0, 130.0), fa2=False)})
     assert "| 64 | yes | fwd | 1.20–1.30 | 1.20–1.30 | 0.60–0.65 | 130 / 130 | 100 |" in lines
     assert "target cells (N >= 2048): 4 of 4 met" in lines
     assert any(line.startswith("below FA2 at N = 512: float16") for line in lines)
     # against the earlier run: cuflash 1.0, 1.2, 1.0 per dtype (median 1.00, least 1.00); FA2 1.0 where both have it
     assert "| 64 | yes | fwd | 1.00, 1.00 (float16 N = 512) | 1.00 |" in lines
+
+
+def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
+    """bench/summarize_decode.py on two small decoding runs: the per-dtype table, the grouped
+    ranges, the large cells at 4.3 TB/s, the pages against contiguous and --against."""
+    script = ROOT / "bench/summarize_decode.py"
+    if not script.is_file():
+        pytest.skip("bench/summarize_decode.py is not beside the tests (they run outside a source checkout)")
+
+    def row(b, hkv, nq, cuflash_ms, cudnn_ms, paged_ms=None):
+        ms = {"cuflash": {"queued_ms": cuflash_ms}, "torch-cudnn": {"queued_ms": cudnn_ms}}
+        if paged_ms is not None:
+            ms["cuflash paged 16"] = {"queued_ms": paged_ms}
+        return {"dtype": "float16", "D": 128, "B": b, "Hq": 32, "Hkv": hkv, "Nk": 2**17, "Nq": nq,
+                "bytes": 2 * b * hkv * 2**17 * 128 * 2, "ms": ms}
+
+    # both Nq = 1 cells are large (1 x 8 x 128K keys = 2^20): 2^29 bytes in 0.05 ms = 10.7 TB/s, in
+    # 0.2 ms = 2.7; 2^31 bytes in 1.0 ms = 2.1, in 0.4 ms = 5.4
+    now = [row(1, 8, 1, 0.05, 0.2, paged_ms=0.1), row(1, 32, 1, 1.0, 0.4), row(1, 8, 4, 0.05, 0.5)]
+    before = [row(1, 8, 1, 0.05, 0.05), row(1, 32, 1, 0.4, 0.4)]
+    loops = [{"dtype": "float16", "D": 128, "B": 1, "Hq": 32, "Hkv": 8, "Nk": 4096, "steps": 256,
+              "eager_ms": 9.0, "graph_ms": 3.5}]
+    lines = run_against(script, tmp_path, {"rows": now, "loops": loops}, {"rows": before})
+    # cuflash / cuDNN: 4.0 and 0.4 at Nq = 1 (1.0 and 1.0 before), 10 at Nq = 4
+    assert "| fp16 | 128 | 1 | 2 | 2.20 | 0.40 | 1 | 1 |" in lines
+    assert "| fp16 | 128 | 4 | 1 | 10.00 | 10.00 | 1 | 1 |" in lines
+    assert "Nq > 1, grouped: 1 cells, 10.00-10.00x cuDNN, 1 at 1.0 or more" in lines
+    assert "Nq = 1 with B*Hkv*Nk >= 2^20: 2 cells; at 4.3 TB/s or more: cuflash 1, cuDNN 1" in lines
+    assert "pages of 16: 1 cells, median 0.50 of contiguous, least 0.50, 0 at 0.9 or more" in lines
+    assert any(line.startswith("loop of 256 steps") and "one CUDA graph 3.50 ms" in line for line in lines)
+    assert lines[-1].endswith("0.40 / 2.20 / 4.00 (10th percentile / median / 90th)"), lines[-1]
