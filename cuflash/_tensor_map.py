@@ -15,10 +15,11 @@ row-major strides is dims (D, N, H, B), byte strides (N, H, B)'s.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 
-from . import _gpu
+from . import _gpu, _params
 
 MAP_BYTES = 128        # sizeof(CUtensorMap); 64-byte aligned where a kernel holds it
 MAX_RANK = 5
@@ -102,3 +103,70 @@ def encode(tile: TileMap) -> bytes:
     if status != 0:
         raise TensorMapError(f"cuTensorMapEncodeTiled refused {tile} (CUresult {status})")
     return bytes(out)
+
+
+# kernels/prefill/attn_fwd_sm90_ws.cuh: MAP_BATCH_DIMS, and the columns of one box (a
+# 128-byte-swizzled panel of 16-bit elements)
+MAP_BATCH_DIMS = 3
+PANEL_COLUMNS = 64
+KEPT_ADDRESSES = 256   # address triples whose maps a launch keeps (a model's layers, each its own)
+
+
+@dataclass(frozen=True)
+class AttentionMaps:
+    """The tensor maps of one launch of the loading-warpgroup forward, Q, K and V, but for
+    their addresses, and the padded batch layout the launch's record takes with them.
+    ``encoded`` gives a call's 384 bytes: kept per address triple, so that a call whose
+    arrays sit where an earlier call's did (CuPy's pool reuses memory) encodes nothing."""
+
+    maps: tuple[TileMap, TileMap, TileMap]   # q, k, v with address 0
+    layout: _params.BatchLayout
+    kept: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def encoded(self, q_address: int, k_address: int, v_address: int) -> bytes:
+        key = (q_address, k_address, v_address)
+        got = self.kept.get(key)
+        if got is None:
+            got = b"".join(encode(dataclasses.replace(m, address=a)) for m, a in zip(self.maps, key))
+            if len(self.kept) >= KEPT_ADDRESSES:
+                del self.kept[next(iter(self.kept))]   # the oldest
+            self.kept[key] = got
+        return got
+
+
+def attention_maps(x, block_m: int, block_n: int) -> AttentionMaps | None:
+    """The maps of a dense forward over the inputs ``x`` (_checks.AttnInputs) with Q tiles of
+    ``block_m`` rows and K/V tiles of ``block_n``, or None where maps cannot describe them
+    (packed sequences, more than MAP_BATCH_DIMS batch dims, strides a map cannot take).
+
+    Each map's dims, innermost first: the head dim, the rows, then the launch's batch dims
+    padded to MAP_BATCH_DIMS with leading dims of size 1. A map has no zero strides, so a dim
+    the tensor broadcasts is one wide there (the kernel reads it at 0)."""
+    if x.packed is not None or x.dtype_name not in ("float16", "bfloat16"):
+        return None
+    shape, strides = tuple(x.kernel_batch_shape), tuple(x.kernel_batch_strides)
+    pad = MAP_BATCH_DIMS - len(shape)
+    if pad < 0:
+        return None
+    shape = (1,) * pad + shape
+    strides = tuple((0,) * pad + tuple(st) for st in strides)
+    item = ITEM_BYTES[x.dtype_name]
+    maps = []
+    for st, row_stride, cols, rows, box_rows in zip(
+            strides, x.row_strides, (x.d, x.d, x.dv), (x.nq, x.nk, x.nk), (block_m, block_n, block_n)):
+        if row_stride <= 0 or any(s < 0 for s in st):
+            return None
+        dims, byte_strides = [cols, rows], [row_stride * item]
+        for n, s in zip(reversed(shape), reversed(st)):   # innermost batch dim first
+            wide = n if s else 1
+            # (a one-wide dim's stride is never stepped: the packed value keeps it valid)
+            byte_strides.append(s * item if s else byte_strides[-1] * dims[-1])
+            dims.append(wide)
+        maps.append(TileMap(x.dtype_name, 0, tuple(dims), tuple(byte_strides), (PANEL_COLUMNS, box_rows) + (1,) * MAP_BATCH_DIMS))
+    for tile in maps:
+        try:
+            dataclasses.replace(tile, address=16).check()   # (any aligned address: the call's come later)
+        except ValueError:
+            return None
+    layout = _params.BatchLayout(shape, strides, x.batch_size)
+    return AttentionMaps(tuple(maps), layout)

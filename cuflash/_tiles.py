@@ -8,6 +8,7 @@ dtype or head dim is a table row, never a new kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Head dims are padded (without copies: the loads zero-fill) to the next bucket.
@@ -123,6 +124,7 @@ class Sm90WsFwdTiles:
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     block_n: int  # keys per ring buffer
     stages: int  # K and V buffers in the ring
+    tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
     block_m = 128
     threads = 384
 
@@ -165,7 +167,7 @@ HOPPER_FWD_KEYS = (128, 2048)
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
-    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {_flag(packed)}>"
+    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {_flag(packed)}, {_flag(t.tma)}>"
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
@@ -308,9 +310,14 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
                     for keys in HOPPER_FWD_KEYS:
-                        name = hopper_fwd_name(dt, hopper_fwd_tiles(dt, hd, keys), packed)
-                        if name not in names:
-                            names.append(name)
+                        tiles = hopper_fwd_tiles(dt, hd, keys)
+                        variants = [tiles]
+                        if isinstance(tiles, Sm90WsFwdTiles) and not packed:   # dense: through tensor maps where they fit
+                            variants.append(dataclasses.replace(tiles, tma=True))
+                        for t in variants:
+                            name = hopper_fwd_name(dt, t, packed)
+                            if name not in names:
+                                names.append(name)
                     names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd), packed))
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))

@@ -149,3 +149,158 @@ def test_a_box_through_the_map_lands_as_panel_tile(d, cols, row0, strided):
     expected = panel_layout(box)
     np.testing.assert_array_equal(got[0], expected)   # through the map (zeros past the rows and columns)
     np.testing.assert_array_equal(got[1], expected)   # by cp.async, for the same layout
+
+
+# The forward's maps (_tensor_map.attention_maps), on the CPU: each map must address, for
+# every batch entry, the element the kernel's own strides do (attn_fwd_sm90_ws.cuh: MapEntry).
+
+def layout_of(q, k, v, packed=None):
+    """What attention_maps reads of _checks.AttnInputs, from NumPy arrays as the checks lay them out."""
+    from types import SimpleNamespace
+
+    from cuflash import _checks
+
+    batch_shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    shape, strides = _checks._batch_layout(batch_shape, (q, k, v))
+    return SimpleNamespace(
+        packed=packed, dtype_name=q.dtype.name, kernel_batch_shape=shape, kernel_batch_strides=strides,
+        row_strides=tuple(x.strides[-2] // x.itemsize for x in (q, k, v)), d=q.shape[-1], dv=v.shape[-1],
+        nq=q.shape[-2], nk=k.shape[-2], batch_size=int(np.prod(batch_shape)))
+
+
+def entry_coordinates(shape, b):
+    """MapEntry's indices of flat entry b over a padded batch shape, innermost first."""
+    idx = []
+    for n in reversed(shape):
+        idx.append(b % n)
+        b //= n
+    return idx
+
+
+LAYOUTS = {
+    "contiguous": lambda: [np.zeros((2, 3, 100, 64), np.float16) for _ in range(3)],
+    "(B, N, H, D) transposed": lambda: [np.zeros((2, 100, 3, 128), np.float16).transpose(0, 2, 1, 3)
+                                        for _ in range(3)],
+    "grouped K/V heads": lambda: [np.zeros((2, 4, 3, 50, 64), np.float16), np.zeros((2, 4, 1, 70, 64), np.float16),
+                                  np.zeros((2, 4, 1, 70, 64), np.float16)],
+    "K/V broadcast over the batch": lambda: [np.zeros((5, 2, 30, 64), np.float16), np.zeros((2, 40, 64), np.float16),
+                                             np.zeros((2, 40, 64), np.float16)],
+    "one problem": lambda: [np.zeros((300, 96), np.float16) for _ in range(3)],
+    "strided rows": lambda: [np.zeros((2, 3, 100, 200), np.float16)[..., :128] for _ in range(3)],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_forward_maps_address_what_the_kernel_strides_do(name):
+    q, k, v = LAYOUTS[name]()
+    x = layout_of(q, k, v)
+    maps = _tensor_map.attention_maps(x, 128, 128)
+    assert maps is not None
+    shape = maps.layout.shape
+    assert len(shape) == _tensor_map.MAP_BATCH_DIMS and int(np.prod(shape)) == x.batch_size
+    for tile, array, st, rows in zip(maps.maps, (q, k, v), maps.layout.strides, (x.nq, x.nk, x.nk)):
+        assert tile.dims[:2] == (array.shape[-1], rows)
+        assert tile.strides[0] == array.strides[-2]
+        assert tile.box == (64, 128, 1, 1, 1)
+        for b in range(x.batch_size):
+            idx = entry_coordinates(shape, b)
+            coords = [i if s else 0 for i, s in zip(idx, reversed(st))]
+            assert all(0 <= c < n for c, n in zip(coords, tile.dims[2:]))
+            through_map = sum(c * s for c, s in zip(coords, tile.strides[1:]))
+            by_strides = sum(i * s for i, s in zip(idx, reversed(st))) * array.itemsize
+            assert through_map == by_strides, (name, b)
+
+
+def test_no_forward_maps_where_a_map_cannot_describe_the_inputs():
+    q = k = v = np.zeros((2, 3, 100, 64), np.float16)
+    assert _tensor_map.attention_maps(layout_of(q, k, v, packed=object()), 128, 128) is None
+    f32 = np.zeros((2, 3, 100, 64), np.float32)
+    assert _tensor_map.attention_maps(layout_of(f32, f32, f32), 128, 128) is None
+    # four batch dims that do not merge: each a part of a wider one
+    four = np.zeros((2, 3, 3, 3, 40, 64), np.float16)[:, :2, :2, :2]
+    x = layout_of(four, four, four)
+    assert len(x.kernel_batch_shape) > _tensor_map.MAP_BATCH_DIMS
+    assert _tensor_map.attention_maps(x, 128, 128) is None
+
+
+def test_the_ws_record_holds_the_maps_after_attn_params():
+    from cuflash import _params
+
+    dtype = _params.WS_PARAMS_DTYPE
+    assert dtype.fields["q_map"][1] == _params.WS_MAPS_OFFSET and _params.WS_MAPS_OFFSET % 64 == 0
+    assert _params.WS_MAPS_OFFSET >= _params.PARAMS_DTYPE.itemsize
+    assert dtype.itemsize == _params.WS_MAPS_OFFSET + 3 * _params.MAP_BYTES
+    for name in _params.PARAMS_DTYPE.names:   # AttnParams first, field for field
+        assert dtype.fields[name][1] == _params.PARAMS_DTYPE.fields[name][1]
+    record = _params.Record(np.zeros(1, dtype=dtype))
+    maps = bytes(range(256)) + bytes(range(128))
+    record.write(_params.WS_MAPS_OFFSET, maps)
+    view = record.view()
+    assert bytes(view["q_map"]) + bytes(view["k_map"]) + bytes(view["v_map"]) == maps
+    assert view["nq"] == 0 and record.buffer[0] == record.kernel_params + 8
+
+
+def test_the_maps_are_encoded_once_per_address_triple(monkeypatch):
+    calls = []
+
+    def fake_encode(tile):
+        calls.append(tile.address)
+        return tile.address.to_bytes(8, "little") * 16
+
+    monkeypatch.setattr(_tensor_map, "encode", fake_encode)
+    q = k = v = np.zeros((2, 3, 100, 64), np.float16)
+    maps = _tensor_map.attention_maps(layout_of(q, k, v), 128, 128)
+    first = maps.encoded(16, 32, 48)
+    assert calls == [16, 32, 48] and len(first) == 3 * _tensor_map.MAP_BYTES
+    assert maps.encoded(16, 32, 48) == first and calls == [16, 32, 48]   # kept
+    for i in range(_tensor_map.KEPT_ADDRESSES):
+        maps.encoded(1 << 20, 16 * (i + 1), 48)
+    assert len(maps.kept) == _tensor_map.KEPT_ADDRESSES and (16, 32, 48) not in maps.kept   # the oldest went first
+
+
+def gpu_layout(name, dtype, d, rng):
+    """q, k, v on the GPU in one of the forward's layouts, random, ragged row counts."""
+    nq, nk = 300, 333
+    if name == "contiguous":
+        return [random_array(rng, (2, 3, n, d), dtype) for n in (nq, nk, nk)]
+    if name == "(B, N, H, D) transposed":
+        return [random_array(rng, (2, n, 3, d), dtype).transpose(0, 2, 1, 3) for n in (nq, nk, nk)]
+    if name == "grouped K/V heads":
+        return [random_array(rng, (2, 2, 3, nq, d), dtype)] + [random_array(rng, (2, 2, 1, nk, d), dtype) for _ in "kv"]
+    if name == "strided rows":
+        return [random_array(rng, (2, 3, n, d + 64), dtype)[..., :d] for n in (nq, nk, nk)]
+    if name == "four batch dims":   # not mergeable: the cp.async loader
+        return [random_array(rng, (2, 3, 3, 3, n, d), dtype)[:, :2, :2, :2] for n in (nq, nk, nk)]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["contiguous", "(B, N, H, D) transposed", "grouped K/V heads", "strided rows",
+                                  "four batch dims"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_loading_warpgroup_forward_through_maps(name, dtype, d, causal):
+    """The forward where tensor maps describe the inputs loads through them (and by cp.async
+    where they do not), and both match the reference."""
+    sm90_or_skip()
+    import cupy
+    from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
+
+    import cuflash
+    from cuflash import _plans, _tiles, naive, reference
+
+    rng = np.random.default_rng(d + causal + len(name))
+    q, k, v = gpu_layout(name, dtype, d, rng)
+    q = q * 4   # large logits
+    plan, _ = _plans.forward(q, k, v, causal, None, None)
+    (main,) = [r for r in plan.launches.runs if hasattr(r, "maps")]
+    ws = _tiles.sm90_ws_fwd_tiles(dtype, _tiles.head_dim_bucket(d, d), 333) is not None
+    assert (main.maps is not None) == (ws and name != "four batch dims")
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    again = cuflash.attention(q, k, v, causal=causal)   # the plan kept, the maps kept for these addresses
+    n_out, _ = naive.attention(q, k, v, causal=causal, return_lse=True)
+    r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, dtype, c=2)
+    assert_lse_close(cupy.asnumpy(lse), r_lse)
+    assert bool((again == out).all())   # deterministic, through the kept maps

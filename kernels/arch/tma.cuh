@@ -56,6 +56,12 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, u32 bar,
         :: "r"(dst), "l"(map_address(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, u32 bar, int c0, int c1, int c2, int c3, int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+        :: "r"(dst), "l"(map_address(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4) : "memory");
+}
+
 }  // namespace cuflash
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -10,6 +10,12 @@
 // a 128-row tile, with the same products and online softmax as attn_fwd_sm90. The
 // block is persistent: it runs tiles blockIdx.x, + gridDim.x, ... so the loads of
 // the next tile run under the products and the stores of this one.
+//
+// The loads go one of two ways (TMA). With tensor maps, one thread of the loading
+// warpgroup issues each buffer's copies to the copy engine, a box of 64 columns per
+// 128-byte-swizzled panel, and arms the buffer's "full" barrier with the bytes to
+// expect; the other loading threads leave. Without (packed sequences, layouts a map
+// cannot describe), all 128 loading threads copy 16-byte chunks by cp.async.
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -38,9 +44,57 @@ struct RingSlot {
     __device__ __forceinline__ explicit RingSlot(u32 n) : stage(int(n % STAGES)), parity((n / STAGES) & 1u) {}
 };
 
-template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, bool PACKED>
+// The kernel's record: AttnParams, then the maps the copy engine reads Q, K and V
+// through (TMA; unused otherwise). Each map's dims, innermost first: columns, rows, then
+// MAP_BATCH_DIMS batch dims (the host pads the launch's batch to that many), one wide
+// where the tensor broadcasts (cuflash/_tensor_map.py: attention_maps).
+constexpr int MAP_BATCH_DIMS = 3;
+struct WsFwdParams {
+    AttnParams attn;
+    TensorMap q_map, k_map, v_map;
+};
+
+#ifdef CUFLASH_WS_PARAMS_BYTES
+static_assert(sizeof(WsFwdParams) == CUFLASH_WS_PARAMS_BYTES, "WsFwdParams differs from cuflash/_params.py");
+#endif
+
+// A batch entry's coordinates in the three maps, innermost first: its index along each
+// batch dim, or 0 along one the tensor broadcasts (stride 0: a map dim one wide).
+struct MapEntry {
+    int q[MAP_BATCH_DIMS], k[MAP_BATCH_DIMS], v[MAP_BATCH_DIMS];
+
+    __device__ __forceinline__ MapEntry(const AttnParams& p, u32 b) {
+#pragma unroll
+        for (int j = 0; j < MAP_BATCH_DIMS; ++j) {
+            const int i = MAP_BATCH_DIMS - 1 - j;   // innermost dim first
+            const u32 n = u32(p.batch_shape[i]);
+            const u32 quotient = fast_div(b, p.batch_div[i]);
+            const int idx = int(b - quotient * n);
+            b = quotient;
+            q[j] = p.q_batch_stride[i] ? idx : 0;
+            k[j] = p.k_batch_stride[i] ? idx : 0;
+            v[j] = p.v_batch_stride[i] ? idx : 0;
+        }
+    }
+};
+
+// Arms `bar` with a whole tile's bytes and copies the tile whose first row is `row`
+// through `map`, a box per 64-column panel (columns past the tensor's read zeros, as
+// do rows past its end).
+template <class Tile>
+__device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32 bar, int row, const int (&entry)[MAP_BATCH_DIMS]) {
+    constexpr int PANELS = Tile::BYTES / Tile::PANEL_BYTES;
+    mbarrier_arrive_expect_bytes(bar, u32(Tile::BYTES));
+#pragma unroll
+    for (int panel = 0; panel < PANELS; ++panel)
+        tma_load(dst + panel * Tile::PANEL_BYTES, map, bar, panel * 64, row, entry[0], entry[1], entry[2]);
+}
+
+template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, bool PACKED, bool TMA>
 __global__ void __launch_bounds__(384, 1)
-attn_fwd_sm90_ws(const AttnParams p) {
+attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
+    static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
+    const AttnParams& p = params.attn;
     using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES>;
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
@@ -57,17 +111,20 @@ attn_fwd_sm90_ws(const AttnParams p) {
     const u32 s_k = s_q + 2 * QTile::BYTES;
     const u32 s_v = s_k + STAGES * KTile::BYTES;
     const FwdBarriers<STAGES> bar{s_v + STAGES * VTile::BYTES};
+    // a "full" barrier takes one arrival per loading thread (TMA: the one that arms it)
+    constexpr u32 LOADERS = TMA ? 1u : u32(Cfg::PRODUCER_THREADS);
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
-            mbarrier_init(bar.q_full(b), Cfg::PRODUCER_THREADS);
+            mbarrier_init(bar.q_full(b), LOADERS);
             mbarrier_init(bar.q_empty(b), Cfg::CONSUMER_THREADS);
         }
         for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(bar.k_full(s), Cfg::PRODUCER_THREADS);
+            mbarrier_init(bar.k_full(s), LOADERS);
             mbarrier_init(bar.k_empty(s), Cfg::CONSUMER_THREADS);
-            mbarrier_init(bar.v_full(s), Cfg::PRODUCER_THREADS);
+            mbarrier_init(bar.v_full(s), LOADERS);
             mbarrier_init(bar.v_empty(s), Cfg::CONSUMER_THREADS);
         }
+        if constexpr (TMA) mbarrier_init_fence();   // the copy engine sees the barriers initialized
     }
     __syncthreads();
 
@@ -76,9 +133,38 @@ attn_fwd_sm90_ws(const AttnParams p) {
 
     if (threadIdx.x < Cfg::PRODUCER_THREADS) {
         // Loader: Q of each tile with keys, then its K and V blocks in the order they
-        // are read; each copy waits for its buffer's last reader, and every loader
-        // thread's copies count towards the buffer's "full" barrier as they land.
+        // are read; each copy waits for its buffer's last reader. TMA: one thread arms
+        // each buffer's "full" barrier with the bytes its copies bring. cp.async: every
+        // loader thread's copies count towards the barrier as they land.
         registers_release<Cfg::PRODUCER_REGS>();
+        if constexpr (TMA) {
+            if (threadIdx.x == 0) {
+                tma_prefetch(params.q_map);
+                tma_prefetch(params.k_map);
+                tma_prefetch(params.v_map);
+                u32 q_uses = 0, kv_uses = 0;
+                for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+                    Work w;
+                    if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
+                    const Tile t(p, w);
+                    if (t.nb_begin >= t.nb_end) continue;
+                    const MapEntry at(p, w.entry);
+                    const int qb = int(q_uses & 1u);
+                    mbarrier_wait(bar.q_empty(qb), ((q_uses >> 1) & 1u) ^ 1u);
+                    tma_load_tile<QTile>(s_q + qb * QTile::BYTES, params.q_map, bar.q_full(qb), t.m0, at.q);
+                    ++q_uses;
+                    for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
+                        const Slot slot(kv_uses);
+                        const int n0 = nb * BLOCK_N;
+                        mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
+                        tma_load_tile<KTile>(s_k + slot.stage * KTile::BYTES, params.k_map, bar.k_full(slot.stage), n0, at.k);
+                        mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
+                        tma_load_tile<VTile>(s_v + slot.stage * VTile::BYTES, params.v_map, bar.v_full(slot.stage), n0, at.v);
+                    }
+                }
+            }
+            return;   // (the copies complete on the barriers, whoever is left)
+        }
         u32 q_uses = 0, kv_uses = 0;
         for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
             Work w;
@@ -112,8 +198,12 @@ attn_fwd_sm90_ws(const AttnParams p) {
 
     // Compute: the order of attn_fwd_sm90's step (scores of block i, then block i-1's
     // p v behind them, softmax while that product runs), with barrier waits in place
-    // of the block-wide sync. The fence after each wait makes the loaders' copies
-    // (generic proxy) visible to wgmma's reads (async proxy).
+    // of the block-wide sync. With cp.async the fence after each wait makes the loaders'
+    // copies (generic proxy) visible to wgmma's reads (async proxy); the copy engine's
+    // writes are in the async proxy already.
+    auto copies_visible = [] {
+        if constexpr (!TMA) fence_async_shared();
+    };
     registers_claim<Cfg::CONSUMER_REGS>();
     const int group_row0 = (int(threadIdx.x) / 128 - 1) * 64;          // this warpgroup's rows
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's rows
@@ -141,14 +231,14 @@ attn_fwd_sm90_ws(const AttnParams p) {
         if (steps > 0) {
             const int qb = int(q_uses & 1u);
             mbarrier_wait(bar.q_full(qb), (q_uses >> 1) & 1u);
-            fence_async_shared();
+            copies_visible();
             ++q_uses;
             const u32 s_q_rows = s_q + qb * QTile::BYTES + group_row0 * 128;
             for (int i = 0; i < steps; ++i) {
                 const Slot slot(kv_uses + u32(i)), prev(kv_uses + u32(i) - 1u);
                 mbarrier_wait(bar.k_full(slot.stage), slot.parity);
                 if (i > 0) mbarrier_wait(bar.v_full(prev.stage), prev.parity);
-                fence_async_shared();
+                copies_visible();
                 float s[1][N_TILES][4];
                 wgmma_fence();
                 wgmma_rows_rows<T, QTile, KTile, HEAD_DIM, BLOCK_N>(s[0], s_q_rows, s_k + slot.stage * KTile::BYTES);
@@ -180,7 +270,7 @@ attn_fwd_sm90_ws(const AttnParams p) {
             mbarrier_arrive(bar.q_empty(qb));   // every score product of the tile is done
             const Slot last(kv_uses + u32(steps) - 1u);
             mbarrier_wait(bar.v_full(last.stage), last.parity);
-            fence_async_shared();
+            copies_visible();
             issue_pv(last);
             wgmma_wait<0>();
             pin_registers(acc);
