@@ -125,6 +125,7 @@ class Sm90WsFwdTiles:
     block_n: int  # keys per ring buffer
     stages: int  # K and V buffers in the ring
     tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
+    pingpong: bool = False  # the computing warpgroups take turns issuing their products
     block_m = 128
     threads = 384
 
@@ -167,7 +168,7 @@ HOPPER_FWD_KEYS = (128, 2048)
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
-    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {_flag(packed)}, {_flag(t.tma)}>"
+    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>"
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:

@@ -90,7 +90,7 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32
         tma_load(dst + panel * Tile::PANEL_BYTES, map, bar, panel * 64, row, entry[0], entry[1], entry[2]);
 }
 
-template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, bool PACKED, bool TMA>
+template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, bool PACKED, bool TMA, bool PINGPONG>
 __global__ void __launch_bounds__(384, 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
@@ -205,7 +205,8 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         if constexpr (!TMA) fence_async_shared();
     };
     registers_claim<Cfg::CONSUMER_REGS>();
-    const int group_row0 = (int(threadIdx.x) / 128 - 1) * 64;          // this warpgroup's rows
+    const int consumer = int(threadIdx.x) / 128 - 1;                    // 0 or 1
+    const int group_row0 = consumer * 64;                               // this warpgroup's rows
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's rows
     const float scale_log2 = float(p.scale_log2);
     const bool vanish = masked_p_vanish<T>(p.scale_log2);   // masked blocks may skip the test
@@ -220,6 +221,19 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         wgmma_regs_cols<T, VTile, HEAD_DIM>(acc[0], pa, s_v + slot.stage * VTile::BYTES);
         wgmma_commit();
     };
+
+    // PINGPONG: the two warpgroups take turns issuing a step's products, each waiting on
+    // its own named barrier (1 + consumer) for the other's arrival, so that one's softmax
+    // runs under the other's products. Both run the same tiles and steps, so the turns
+    // pair up; the second warpgroup's first arrival lets the first one start.
+    constexpr u32 TURN_THREADS = 2 * 128;
+    auto my_turn = [&] {
+        if constexpr (PINGPONG) named_barrier_sync(u32(1 + consumer), TURN_THREADS);
+    };
+    auto their_turn = [&] {
+        if constexpr (PINGPONG) named_barrier_arrive(u32(2 - consumer), TURN_THREADS);
+    };
+    if (consumer == 1) their_turn();
 
     for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
         Work w;
@@ -240,6 +254,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 if (i > 0) mbarrier_wait(bar.v_full(prev.stage), prev.parity);
                 copies_visible();
                 float s[1][N_TILES][4];
+                my_turn();
                 wgmma_fence();
                 wgmma_rows_rows<T, QTile, KTile, HEAD_DIM, BLOCK_N>(s[0], s_q_rows, s_k + slot.stage * KTile::BYTES);
                 wgmma_commit();
@@ -249,6 +264,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 } else {
                     wgmma_wait<0>();
                 }
+                their_turn();
                 pin_registers(s);
                 mbarrier_arrive(bar.k_empty(slot.stage));
 
