@@ -126,12 +126,14 @@ class Sm90WsFwdTiles:
     stages: int  # K and V buffers in the ring
     tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
     pingpong: bool = False  # the computing warpgroups take turns issuing their products
+    q_buffers: int = 2  # Q tiles in flight: the next tile's loads under this one's products
     block_m = 128
     threads = 384
 
     def smem_bytes(self, itemsize: int) -> int:
-        # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (two Q buffers, the ring, 8-byte barriers)
-        return 1024 + (2 * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize + 8 * (4 + 4 * self.stages)
+        # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers)
+        tiles = (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
+        return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages)
 
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
@@ -168,7 +170,7 @@ HOPPER_FWD_KEYS = (128, 2048)
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
-    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>"
+    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>"
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:

@@ -304,3 +304,39 @@ def test_the_loading_warpgroup_forward_through_maps(name, dtype, d, causal):
     assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, dtype, c=2)
     assert_lse_close(cupy.asnumpy(lse), r_lse)
     assert bool((again == out).all())   # deterministic, through the kept maps
+
+
+@pytest.mark.parametrize("d, block_n, q_buffers", [(64, 128, 2), (128, 128, 2), (256, 64, 1), (200, 64, 1)])
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("loader", ["tma", "cp.async"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, block_n, q_buffers, pingpong, loader,
+                                                            causal):
+    """The shapes bench/tune_tiles.py may time (turns between the computing warpgroups, one Q
+    buffer at head dim 256), by either loader, on a problem of more tiles than blocks."""
+    sm90_or_skip()
+    import cupy
+    from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
+
+    import cuflash
+    from cuflash import _dispatch, _plans, _tiles, naive, reference
+
+    tiles = _tiles.Sm90WsFwdTiles(_tiles.head_dim_bucket(d, d), block_n, 2, pingpong=pingpong, q_buffers=q_buffers)
+    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles)
+    if loader == "cp.async":
+        monkeypatch.setattr(_tensor_map, "attention_maps", lambda *args: None)
+    _plans.clear()
+    try:
+        rng = np.random.default_rng(d + 7 * pingpong + causal)
+        q, k, v = (random_array(rng, (4, 8, n, d), "bfloat16") for n in (700, 650, 650))   # 192 tiles: blocks run two in turn
+        q = q * 4
+        with poisoned_allocations():
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        (main,) = [r for r in _plans.forward(q, k, v, causal, None, None)[0].launches.runs if hasattr(r, "maps")]
+        assert (main.maps is not None) == (loader == "tma")
+    finally:
+        _plans.clear()
+    n_out, _ = naive.attention(q, k, v, causal=causal, return_lse=True)
+    r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, "bfloat16", c=2)
+    assert_lse_close(cupy.asnumpy(lse), r_lse)

@@ -4,7 +4,7 @@
 // each step ties the two together: a tile's first loads wait for the previous
 // tile's end, and with short sequences (a few key blocks per tile) that start is
 // much of the time. Here warpgroup 0 only loads: it walks the block's tiles ahead
-// of the others, copying Q into one of two buffers and K, V blocks into a ring of
+// of the others, copying Q into one of Q_BUFFERS buffers and K, V blocks into a ring of
 // STAGES, each buffer guarded by a pair of mbarriers (full: the copies landed;
 // empty: its last reader is done). Warpgroups 1 and 2 only compute, each 64 rows of
 // a 128-row tile, with the same products and online softmax as attn_fwd_sm90. The
@@ -24,15 +24,15 @@ namespace cuflash {
 
 // The block's barriers, after its buffers: Q full/empty per buffer, then K and V
 // full/empty per stage.
-template <int STAGES>
+template <int Q_BUFFERS, int STAGES>
 struct FwdBarriers {
     u32 base;
     __device__ __forceinline__ u32 q_full(int b) const { return base + 8u * u32(b); }
-    __device__ __forceinline__ u32 q_empty(int b) const { return base + 8u * u32(2 + b); }
-    __device__ __forceinline__ u32 k_full(int s) const { return base + 8u * u32(4 + s); }
-    __device__ __forceinline__ u32 k_empty(int s) const { return base + 8u * u32(4 + STAGES + s); }
-    __device__ __forceinline__ u32 v_full(int s) const { return base + 8u * u32(4 + 2 * STAGES + s); }
-    __device__ __forceinline__ u32 v_empty(int s) const { return base + 8u * u32(4 + 3 * STAGES + s); }
+    __device__ __forceinline__ u32 q_empty(int b) const { return base + 8u * u32(Q_BUFFERS + b); }
+    __device__ __forceinline__ u32 k_full(int s) const { return base + 8u * u32(2 * Q_BUFFERS + s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return base + 8u * u32(2 * Q_BUFFERS + STAGES + s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return base + 8u * u32(2 * Q_BUFFERS + 2 * STAGES + s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return base + 8u * u32(2 * Q_BUFFERS + 3 * STAGES + s); }
 };
 
 // Place of the n-th use of a ring of STAGES buffers: the buffer and the parity of
@@ -90,31 +90,32 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32
         tma_load(dst + panel * Tile::PANEL_BYTES, map, bar, panel * 64, row, entry[0], entry[1], entry[2]);
 }
 
-template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, bool PACKED, bool TMA, bool PINGPONG>
+template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, bool PACKED, bool TMA, bool PINGPONG>
 __global__ void __launch_bounds__(384, 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
     const AttnParams& p = params.attn;
-    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES>;
+    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS>;
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
     using Tile = FwdTile<Cfg, true>;
     using Slot = RingSlot<STAGES>;
+    using QSlot = RingSlot<Q_BUFFERS>;
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
 
-    // [Q x 2][K x STAGES][V x STAGES][barriers], from a 1024-byte boundary (swizzle atoms)
+    // [Q x Q_BUFFERS][K x STAGES][V x STAGES][barriers], from a 1024-byte boundary (swizzle atoms)
     const u32 s_q = (smem_address(smem) + 1023u) & ~1023u;
-    const u32 s_k = s_q + 2 * QTile::BYTES;
+    const u32 s_k = s_q + Q_BUFFERS * QTile::BYTES;
     const u32 s_v = s_k + STAGES * KTile::BYTES;
-    const FwdBarriers<STAGES> bar{s_v + STAGES * VTile::BYTES};
+    const FwdBarriers<Q_BUFFERS, STAGES> bar{s_v + STAGES * VTile::BYTES};
     // a "full" barrier takes one arrival per loading thread (TMA: the one that arms it)
     constexpr u32 LOADERS = TMA ? 1u : u32(Cfg::PRODUCER_THREADS);
     if (threadIdx.x == 0) {
-        for (int b = 0; b < 2; ++b) {
+        for (int b = 0; b < Q_BUFFERS; ++b) {
             mbarrier_init(bar.q_full(b), LOADERS);
             mbarrier_init(bar.q_empty(b), Cfg::CONSUMER_THREADS);
         }
@@ -149,9 +150,9 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                     const Tile t(p, w);
                     if (t.nb_begin >= t.nb_end) continue;
                     const MapEntry at(p, w.entry);
-                    const int qb = int(q_uses & 1u);
-                    mbarrier_wait(bar.q_empty(qb), ((q_uses >> 1) & 1u) ^ 1u);
-                    tma_load_tile<QTile>(s_q + qb * QTile::BYTES, params.q_map, bar.q_full(qb), t.m0, at.q);
+                    const QSlot qs(q_uses);
+                    mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
+                    tma_load_tile<QTile>(s_q + qs.stage * QTile::BYTES, params.q_map, bar.q_full(qs.stage), t.m0, at.q);
                     ++q_uses;
                     for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
                         const Slot slot(kv_uses);
@@ -171,11 +172,11 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
             if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
             const Tile t(p, w);
             if (t.nb_begin >= t.nb_end) continue;
-            const int qb = int(q_uses & 1u);
-            mbarrier_wait(bar.q_empty(qb), ((q_uses >> 1) & 1u) ^ 1u);
-            load_tile_async<QTile, Cfg::PRODUCER_THREADS, true>(s_q + qb * QTile::BYTES, t.g_q, p.q_row_stride,
+            const QSlot qs(q_uses);
+            mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
+            load_tile_async<QTile, Cfg::PRODUCER_THREADS, true>(s_q + qs.stage * QTile::BYTES, t.g_q, p.q_row_stride,
                                                           t.w.nq - t.m0, d);
-            mbarrier_arrive_after_copies(bar.q_full(qb));
+            mbarrier_arrive_after_copies(bar.q_full(qs.stage));
             ++q_uses;
             for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
                 const Slot slot(kv_uses);
@@ -243,11 +244,11 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         OnlineSoftmax<T, 1> softmax(p.scale_log2);
         const int steps = t.nb_end - t.nb_begin;
         if (steps > 0) {
-            const int qb = int(q_uses & 1u);
-            mbarrier_wait(bar.q_full(qb), (q_uses >> 1) & 1u);
+            const QSlot qs(q_uses);
+            mbarrier_wait(bar.q_full(qs.stage), qs.parity);
             copies_visible();
             ++q_uses;
-            const u32 s_q_rows = s_q + qb * QTile::BYTES + group_row0 * 128;
+            const u32 s_q_rows = s_q + qs.stage * QTile::BYTES + group_row0 * 128;
             for (int i = 0; i < steps; ++i) {
                 const Slot slot(kv_uses + u32(i)), prev(kv_uses + u32(i) - 1u);
                 mbarrier_wait(bar.k_full(slot.stage), slot.parity);
@@ -283,7 +284,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 softmax.rescale(acc, alpha);
                 to_a_fragments<T>(pa, s);
             }
-            mbarrier_arrive(bar.q_empty(qb));   // every score product of the tile is done
+            mbarrier_arrive(bar.q_empty(qs.stage));   // every score product of the tile is done
             const Slot last(kv_uses + u32(steps) - 1u);
             mbarrier_wait(bar.v_full(last.stage), last.parity);
             copies_visible();
