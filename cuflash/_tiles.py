@@ -109,9 +109,10 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
     if head_dim == 64 and keys is not None and keys <= 128:
         # one warpgroup per block, four blocks per SM (bench/NOTES.md v14)
         return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=4)
-    # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage
-    # gained nothing, and 64-key blocks beat 128 at head dim 64 (head dims 64 and 128
-    # run these only where hopper_fwd_tiles picks them over the loading-warpgroup kernel)
+    # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage gained
+    # nothing, and 64-key blocks beat 128 at head dim 64. (hopper_fwd_tiles runs these at
+    # head dim 256; at 64 and 128 it runs the loading-warpgroup kernel, but for the short
+    # tiles above.)
     block_n = 128 if head_dim == 128 else 64
     return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2)
 

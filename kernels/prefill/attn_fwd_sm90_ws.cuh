@@ -1,9 +1,9 @@
 // attn_fwd_sm90_ws.cuh: the Hopper forward with its loads on their own warps.
 //
 // In attn_fwd_sm90 every thread both loads and computes, and a block-wide barrier
-// each step ties the two together: a tile's first loads wait for the previous
-// tile's end, and with short sequences (a few key blocks per tile) that start is
-// much of the time. Here warpgroup 0 only loads: it walks the block's tiles ahead
+// each step ties the two together: a tile's first loads start only when its block
+// does, and with short sequences (a few key blocks per tile) that start is much of
+// the time. Here warpgroup 0 only loads: it walks the block's tiles ahead
 // of the others, copying Q into one of Q_BUFFERS buffers and K, V blocks into a ring of
 // STAGES, each buffer guarded by a pair of mbarriers (full: the copies landed;
 // empty: its last reader is done). Warpgroups 1 and 2 only compute, each 64 rows of
