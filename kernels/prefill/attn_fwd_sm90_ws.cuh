@@ -90,6 +90,8 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32
         tma_load(dst + panel * Tile::PANEL_BYTES, map, bar, panel * 64, row, entry[0], entry[1], entry[2]);
 }
 
+enum class Source { Q, K, V };   // what a loader's copy brings
+
 template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, bool PACKED, bool TMA, bool PINGPONG>
 __global__ void __launch_bounds__(384, 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
@@ -133,67 +135,55 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     const int d = int(p.d), dv = int(p.dv);
 
     if (threadIdx.x < Cfg::PRODUCER_THREADS) {
-        // Loader: Q of each tile with keys, then its K and V blocks in the order they
-        // are read; each copy waits for its buffer's last reader. TMA: one thread arms
-        // each buffer's "full" barrier with the bytes its copies bring. cp.async: every
-        // loader thread's copies count towards the barrier as they land.
         registers_release<Cfg::PRODUCER_REGS>();
-        if constexpr (TMA) {
-            if (threadIdx.x == 0) {
+        // One tile of Q, K or V from its first row `row` into `dst`, landing on barrier `full`.
+        // TMA: one thread arms the barrier with the bytes its copies bring. cp.async: every
+        // loader thread's copies count towards the barrier as they land.
+        auto copy = [&](const Tile& t, Source source, int row, u32 dst, u32 full) {
+            if constexpr (TMA) {
+                const MapEntry at(p, t.w.entry);
+                if (source == Source::Q) tma_load_tile<QTile>(dst, params.q_map, full, row, at.q);
+                if (source == Source::K) tma_load_tile<KTile>(dst, params.k_map, full, row, at.k);
+                if (source == Source::V) tma_load_tile<VTile>(dst, params.v_map, full, row, at.v);
+            } else {
+                if (source == Source::Q)
+                    load_tile_async<QTile, Cfg::PRODUCER_THREADS, true>(dst, t.g_q, p.q_row_stride, t.w.nq - row, d);
+                if (source == Source::K)
+                    load_tile_async<KTile, Cfg::PRODUCER_THREADS, true>(dst, t.g_k + index_t(row) * p.k_row_stride,
+                                                                        p.k_row_stride, t.w.nk - row, d);
+                if (source == Source::V)
+                    load_tile_async<VTile, Cfg::PRODUCER_THREADS, true>(dst, t.g_v + index_t(row) * p.v_row_stride,
+                                                                        p.v_row_stride, t.w.nk - row, dv);
+                mbarrier_arrive_after_copies(full);
+            }
+        };
+        if (!TMA || threadIdx.x == 0) {   // (TMA: the other loader threads leave at once)
+            if constexpr (TMA) {
                 tma_prefetch(params.q_map);
                 tma_prefetch(params.k_map);
                 tma_prefetch(params.v_map);
-                u32 q_uses = 0, kv_uses = 0;
-                for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
-                    Work w;
-                    if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
-                    const Tile t(p, w);
-                    if (t.nb_begin >= t.nb_end) continue;
-                    const MapEntry at(p, w.entry);
-                    const QSlot qs(q_uses);
-                    mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
-                    tma_load_tile<QTile>(s_q + qs.stage * QTile::BYTES, params.q_map, bar.q_full(qs.stage), t.m0, at.q);
-                    ++q_uses;
-                    for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
-                        const Slot slot(kv_uses);
-                        const int n0 = nb * BLOCK_N;
-                        mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
-                        tma_load_tile<KTile>(s_k + slot.stage * KTile::BYTES, params.k_map, bar.k_full(slot.stage), n0, at.k);
-                        mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
-                        tma_load_tile<VTile>(s_v + slot.stage * VTile::BYTES, params.v_map, bar.v_full(slot.stage), n0, at.v);
-                    }
+            }
+            // Q of each tile with keys, then its K and V blocks in the order they are read,
+            // each copy once its buffer's last reader is done
+            u32 q_uses = 0, kv_uses = 0;
+            for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+                Work w;
+                if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
+                const Tile t(p, w);
+                if (t.nb_begin >= t.nb_end) continue;
+                const QSlot qs(q_uses++);
+                mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
+                copy(t, Source::Q, t.m0, s_q + qs.stage * QTile::BYTES, bar.q_full(qs.stage));
+                for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
+                    const Slot slot(kv_uses);
+                    mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
+                    copy(t, Source::K, nb * BLOCK_N, s_k + slot.stage * KTile::BYTES, bar.k_full(slot.stage));
+                    mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
+                    copy(t, Source::V, nb * BLOCK_N, s_v + slot.stage * VTile::BYTES, bar.v_full(slot.stage));
                 }
             }
-            return;   // (the copies complete on the barriers, whoever is left)
         }
-        u32 q_uses = 0, kv_uses = 0;
-        for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
-            Work w;
-            if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
-            const Tile t(p, w);
-            if (t.nb_begin >= t.nb_end) continue;
-            const QSlot qs(q_uses);
-            mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
-            load_tile_async<QTile, Cfg::PRODUCER_THREADS, true>(s_q + qs.stage * QTile::BYTES, t.g_q, p.q_row_stride,
-                                                          t.w.nq - t.m0, d);
-            mbarrier_arrive_after_copies(bar.q_full(qs.stage));
-            ++q_uses;
-            for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
-                const Slot slot(kv_uses);
-                const int n0 = nb * BLOCK_N;
-                mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
-                load_tile_async<KTile, Cfg::PRODUCER_THREADS, true>(s_k + slot.stage * KTile::BYTES,
-                                                              t.g_k + index_t(n0) * p.k_row_stride, p.k_row_stride,
-                                                              t.w.nk - n0, d);
-                mbarrier_arrive_after_copies(bar.k_full(slot.stage));
-                mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
-                load_tile_async<VTile, Cfg::PRODUCER_THREADS, true>(s_v + slot.stage * VTile::BYTES,
-                                                              t.g_v + index_t(n0) * p.v_row_stride, p.v_row_stride,
-                                                              t.w.nk - n0, dv);
-                mbarrier_arrive_after_copies(bar.v_full(slot.stage));
-            }
-        }
-        cp_async_wait<0>();   // no copy outlives its thread
+        if constexpr (!TMA) cp_async_wait<0>();   // no copy outlives its thread (TMA's complete on the barriers)
         return;
     }
 
