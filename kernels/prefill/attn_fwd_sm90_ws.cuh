@@ -215,8 +215,10 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
 
     // PINGPONG: the two warpgroups take turns issuing a step's products, each waiting on
     // its own named barrier (1 + consumer) for the other's arrival, so that one's softmax
-    // runs under the other's products. Both run the same tiles and steps, so the turns
-    // pair up; the second warpgroup's first arrival lets the first one start.
+    // runs under the other's products. The turn passes once the scores have landed (p v
+    // still running): passed between the products' issue and their wait, the barrier
+    // makes ptxas serialize the products. Both warpgroups run the same tiles and steps, so
+    // the turns pair up; the second one's first arrival lets the first one start.
     constexpr u32 TURN_THREADS = 2 * 128;
     auto my_turn = [&] {
         if constexpr (PINGPONG) named_barrier_sync(u32(1 + consumer), TURN_THREADS);
