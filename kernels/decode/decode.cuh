@@ -36,7 +36,7 @@ struct DecodeParams {
     index_t batch, entries, rows, nq, d, dv, n_new;
     index_t seqlen_all;
     index_t capacity;          // keys a sequence can hold: Nmax, or max_pages * page_size
-    index_t page_size, num_pages, max_pages;
+    index_t page_size, page_div, num_pages, max_pages;   // page_div: fast_div's constant for page_size
     index_t window_left, window_right;   // as AttnParams
     double scale_log2;
     index_t splits, split_keys;          // keys per split: a multiple of the key block
@@ -47,28 +47,26 @@ struct DecodeParams {
     __device__ __forceinline__ int length(int b) const {
         return int(min(max(index_t(cached(b)) + n_new, index_t(0)), capacity));
     }
-    // Where key j of sequence b lives: its page's slot (b itself in a contiguous cache; a
-    // table entry, clamped to the pages there are, when paged) and its row there.
-    __device__ __forceinline__ int slot_of(int b, int j) const {
-        if (!block_table) return b;
-        const int page = __ldg(block_table + index_t(b) * max_pages + page_index(j));
-        return min(max(page, 0), int(num_pages) - 1);
+    // Where key j of sequence b lives: the table's entry for its page, as given (b itself in
+    // a contiguous cache; slot() clamps it to the pages there are, apart, so that a read
+    // ahead of time is not waited for at once), and its row there.
+    __device__ __forceinline__ int table_entry(int b, int j) const {
+        return block_table ? __ldg(block_table + index_t(b) * max_pages + page_index(j)) : b;
+    }
+    __device__ __forceinline__ int slot(int entry) const {
+        return block_table ? min(max(entry, 0), int(num_pages) - 1) : entry;
     }
     __device__ __forceinline__ int row_of(int j) const {
-        if (!block_table) return j;
-        return is_pow2_page() ? j & int(page_size - 1) : j % int(page_size);
+        return block_table ? j - page_index(j) * int(page_size) : j;
     }
-    __device__ __forceinline__ bool is_pow2_page() const { return (page_size & (page_size - 1)) == 0; }
-    __device__ __forceinline__ int page_index(int j) const {   // the usual sizes: a shift, no division
-        return is_pow2_page() ? j >> (__ffs(int(page_size)) - 1) : j / int(page_size);
-    }
-    // Offsets in k and v of row `row` of slot `slot`, entry e.
-    __device__ __forceinline__ void offsets(int slot, int e, int row, index_t& ok, index_t& ov) const {
-        ok = slot * k_stride_b + e * k_stride_e + row * k_stride_row;
-        ov = slot * v_stride_b + e * v_stride_e + row * v_stride_row;
+    __device__ __forceinline__ int page_index(int j) const { return int(fast_div(u32(j), page_div)); }
+    // Offsets in k and v of row `row` of slot `at` (a sequence's cache, or a page), entry e.
+    __device__ __forceinline__ void offsets(int at, int e, int row, index_t& ok, index_t& ov) const {
+        ok = at * k_stride_b + e * k_stride_e + row * k_stride_row;
+        ov = at * v_stride_b + e * v_stride_e + row * v_stride_row;
     }
     __device__ __forceinline__ void key_offsets(int b, int e, int j, index_t& ok, index_t& ov) const {
-        offsets(slot_of(b, j), e, row_of(j), ok, ov);
+        offsets(slot(table_entry(b, j)), e, row_of(j), ok, ov);
     }
 };
 
@@ -169,19 +167,19 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     // (the host picks LAYOUT from the page size: _tiles.decode_tiles)
     static_assert(LAYOUT != int(KeyLayout::RUNS) || (HEAD_DIM <= 128 && BLOCK_N % Tiles::RUN == 0),
                   "runs of 16 rows for heads up to 128 wide (wider: the runs' offsets would spill)");
-    // A block's keys lie in SPANS runs of one page each (one for BLOCKS). Their page slots
-    // are read from the table LOOKAHEAD blocks before their copies, so that the table's
+    // A block's keys lie in SPANS runs of one page each (one for BLOCKS). Their table
+    // entries are read LOOKAHEAD blocks before their copies, so that the table's
     // latency hides under the products between rather than stalling every copy (a contiguous
-    // cache reads no table). slots[s][w]: run w of the block s after the next one to load.
+    // cache reads no table). entries[s][w]: run w of the block s after the next one to load.
     constexpr int SPAN = LAYOUT == int(KeyLayout::RUNS) ? Tiles::RUN : BLOCK_N;
     constexpr int SPANS = BLOCK_N / SPAN, LOOKAHEAD = STAGES - 1;
-    int slots[LOOKAHEAD][SPANS] = {};
-    auto fetch_slots = [&](int nb, int (&out)[SPANS]) {
+    int entries[LOOKAHEAD][SPANS] = {};
+    auto fetch_entries = [&](int nb, int (&out)[SPANS]) {
         if constexpr (LAYOUT != int(KeyLayout::ROWS)) {   // (rows: looked up row by row as copied)
             if (nb >= nb_end) return;
 #pragma unroll
             for (int w = 0; w < SPANS; ++w)   // (a run past the last key is all zeros: its first row clamped to one that exists)
-                out[w] = p.slot_of(b, min(nb * BLOCK_N + w * SPAN, nk - 1));
+                out[w] = p.table_entry(b, min(nb * BLOCK_N + w * SPAN, nk - 1));
         }
     };
     auto load_kv = [&](int nb, int stage) {
@@ -189,7 +187,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         const u32 s_kb = s_k + stage * KVTile::BYTES, s_vb = s_v + stage * KVTile::BYTES;
         if constexpr (LAYOUT == int(KeyLayout::BLOCKS)) {
             index_t ok, ov;
-            p.offsets(slots[0][0], e, p.row_of(n0), ok, ov);
+            p.offsets(p.slot(entries[0][0]), e, p.row_of(n0), ok, ov);
             // (strided: each thread steps down the rows by constants; all but a sequence's
             // last block are whole, and take copies with no predicates)
             if (valid == BLOCK_N && d == HEAD_DIM && dv == HEAD_DIM) {
@@ -203,7 +201,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
 #pragma unroll
             for (int w = 0; w < SPANS; ++w) {
                 index_t ok, ov;
-                p.offsets(slots[0][w], e, p.row_of(min(n0 + w * SPAN, nk - 1)), ok, ov);
+                p.offsets(p.slot(entries[0][w]), e, p.row_of(min(n0 + w * SPAN, nk - 1)), ok, ov);
                 load_tile_async<RunTile, THREADS>(s_kb + w * RUN_BYTES, g_k + ok, p.k_stride_row, valid - w * SPAN, d);
                 load_tile_async<RunTile, THREADS>(s_vb + w * RUN_BYTES, g_v + ov, p.v_stride_row, valid - w * SPAN, dv);
             }
@@ -215,7 +213,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         }
     };
     // the loads of step i (i < 0: the prologue's), one cp.async group each; then the
-    // slots move up a block and the table read for the block LOOKAHEAD further goes out
+    // entries move up a block and the table read for the block LOOKAHEAD further goes out
     auto load_step = [&](int i) {
         const int nb = nb_begin + i + STAGES - 1;
         if (nb < nb_end) load_kv(nb, (i + STAGES - 1) % STAGES);
@@ -223,8 +221,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
 #pragma unroll
         for (int s = 0; s + 1 < LOOKAHEAD; ++s)
 #pragma unroll
-            for (int w = 0; w < SPANS; ++w) slots[s][w] = slots[s + 1][w];
-        fetch_slots(nb + LOOKAHEAD, slots[LOOKAHEAD - 1]);
+            for (int w = 0; w < SPANS; ++w) entries[s][w] = entries[s + 1][w];
+        fetch_entries(nb + LOOKAHEAD, entries[LOOKAHEAD - 1]);
     };
 
     float acc[M_TILES][D_TILES][4];
@@ -236,7 +234,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         load_rows_async<QTile, THREADS, Storage>(
             s_q, [&](int r) { return g_q + (row0 + r) * p.q_stride_row; }, rows, d);
 #pragma unroll
-        for (int s = 0; s < LOOKAHEAD; ++s) fetch_slots(nb_begin + s, slots[s]);   // all in flight at once
+        for (int s = 0; s < LOOKAHEAD; ++s) fetch_entries(nb_begin + s, entries[s]);   // all in flight at once
 #pragma unroll
         for (int i = 1 - STAGES; i < 0; ++i) load_step(i);
     }
