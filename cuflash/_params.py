@@ -74,7 +74,7 @@ DECODE_PARAMS_DTYPE = np.dtype(
         "q_stride_b", "q_stride_e", "q_stride_row", "k_stride_b", "k_stride_e", "k_stride_row",
         "v_stride_b", "v_stride_e", "v_stride_row", "kn_stride_b", "kn_stride_e", "kn_stride_row",
         "vn_stride_b", "vn_stride_e", "vn_stride_row", "batch", "entries", "rows", "nq", "d", "dv", "n_new",
-        "seqlen_all", "capacity", "page_size", "num_pages", "max_pages", "window_left", "window_right")]
+        "seqlen_all", "capacity", "page_size", "page_div", "num_pages", "max_pages", "window_left", "window_right")]
     + [("scale_log2", np.float64), ("splits", np.int64), ("split_keys", np.int64)]
 )
 
