@@ -38,21 +38,24 @@ FWD_CANDIDATES = {
     128: [(128, 32, 4), (128, 64, 4)],
     256: [(64, 32, 4), (64, 64, 4)],
 }
-# The Hopper forward (sm_90a only): ("ws", block_n, stages) for the kernel with a loading
-# warpgroup, else (block_n, warpgroups, stages, min_blocks) of attn_fwd_sm90 (one warpgroup
-# per block and 2-4 blocks per SM: the blocks' prologues and softmaxes overlap each other's
-# products without a barrier between them)
+# The Hopper forward (sm_90a only): ("ws", block_n, stages[, pingpong[, q_buffers]]) for the
+# kernel with a loading warpgroup (through tensor maps where they describe the inputs; pingpong:
+# its computing warpgroups take turns issuing products; one Q buffer where two do not fit), else (block_n, warpgroups, stages, min_blocks) of
+# attn_fwd_sm90 (one warpgroup per block and 2-4 blocks per SM: the blocks' prologues and
+# softmaxes overlap each other's products without a barrier between them)
 SM90_FWD_CANDIDATES = {
-    64: [("ws", 128, 2), (64, 2, 2, 1), (64, 1, 2, 3), (64, 1, 2, 4), (128, 1, 2, 2)],
-    128: [("ws", 128, 2), (128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
-    256: [(64, 2, 2, 1)],
+    64: [("ws", 128, 2), ("ws", 128, 2, True), (64, 2, 2, 1), (64, 1, 2, 3), (64, 1, 2, 4), (128, 1, 2, 2)],
+    128: [("ws", 128, 2), ("ws", 128, 2, True), (128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
+    256: [(64, 2, 2, 1), ("ws", 64, 2, False, 1), ("ws", 64, 2, True, 1)],
 }
 
 
 def hopper_fwd(d, *cand):
     """A Hopper forward candidate as the tiles hopper_fwd_tiles returns."""
     if cand[0] == "ws":
-        return _tiles.Sm90WsFwdTiles(d, *cand[1:])
+        block_n, stages = cand[1:3]
+        pingpong, q_buffers = (cand[3] if len(cand) > 3 else False), (cand[4] if len(cand) > 4 else 2)
+        return _tiles.Sm90WsFwdTiles(d, block_n, stages, pingpong=pingpong, q_buffers=q_buffers)
     return Sm90FwdTiles(d, *cand)
 # (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages]) of the Hopper backward
 # (three or more stages: a step's gradient products run during the next step; one warpgroup

@@ -25,6 +25,7 @@ KERNEL_FILES = (
     "arch/mma.cuh",
     "arch/wgmma.cuh",
     "arch/mbarrier.cuh",
+    "arch/tma.cuh",
     # attention/: what every kernel shares
     "attention/mask.cuh",
     "attention/softmax.cuh",
@@ -70,6 +71,7 @@ def _common_options() -> tuple[str, ...]:
         f"-DCUFLASH_PARAMS_BYTES={_params.PARAMS_DTYPE.itemsize}",
         f"-DCUFLASH_BWD_PARAMS_BYTES={_params.BWD_PARAMS_DTYPE.itemsize}",
         f"-DCUFLASH_DECODE_PARAMS_BYTES={_params.DECODE_PARAMS_DTYPE.itemsize}",
+        f"-DCUFLASH_WS_PARAMS_BYTES={_params.WS_PARAMS_DTYPE.itemsize}",
         f"-DCUFLASH_SCHEDULE_THREADS={_params.SCHEDULE_THREADS}",
     )
 

@@ -3,11 +3,12 @@ records (``_launch``), for the forward, the backward, merging and the KV cache."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
-from . import _compile, _params
+from . import _compile, _params, _tensor_map
 from ._launch import (
     DECODE_FIELDS, DKDV_FIELDS, DQ_FIELDS, K_TILES, Q_TILES, KVCacheLaunches, Launch, Launches, TileListLaunch,
     blocks_per_sm, sm_count,
@@ -70,6 +71,10 @@ def forward_launches(x) -> Launches:
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
     hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys) if _compile.current_arch() == "sm_90a" else None
+    maps = None
+    if isinstance(hopper, Sm90WsFwdTiles):   # through the copy engine where maps describe the inputs
+        maps = _tensor_map.attention_maps(x, hopper.block_m, hopper.block_n)
+        hopper = dataclasses.replace(hopper, tma=maps is not None)
     if hopper is not None:
         smem, block_m, threads, cols = hopper.smem_bytes(itemsize), hopper.block_m, hopper.threads, 1
         fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed), smem)
@@ -77,13 +82,17 @@ def forward_launches(x) -> Launches:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed)
         smem, block_m, threads, cols = tiles.smem_bytes(itemsize), tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
         fn = _compile.get_function(fwd_name(x.dtype_name, tiles, packed), smem)
-    params = _params.attn_params(x, block_m)
+    ws = isinstance(hopper, Sm90WsFwdTiles)
+    if ws:
+        params = _params.ws_params(x, block_m, maps.layout if maps else None)
+    else:
+        params = _params.attn_params(x, block_m)
     blocks, capacity = _row_blocks(x, block_m, False, x.batch_size)
     params[0]["num_tiles"] = blocks
-    if isinstance(hopper, Sm90WsFwdTiles):
+    if ws:
         # a grid that fits the GPU at once, each block running tiles in turn
         blocks = min(blocks, sm_count() * blocks_per_sm(fn, threads, smem))
-    main = Launch(fn, (blocks, max(1, cols)), threads, smem, params)
+    main = Launch(fn, (blocks, max(1, cols)), threads, smem, params, maps=maps)
     if not capacity:
         return Launches((main,))
     return Launches((_tile_list(x, block_m, False, Q_TILES, capacity), main), ((Q_TILES, capacity),))
@@ -214,7 +223,8 @@ def kvcache_launches(x) -> KVCacheLaunches:
         k_stride_b=ks[0], k_stride_e=ks[1], k_stride_row=ks[2], v_stride_b=vs[0], v_stride_e=vs[1], v_stride_row=vs[2],
         kn_stride_b=kn[0], kn_stride_e=kn[1], kn_stride_row=kn[2], vn_stride_b=vn[0], vn_stride_e=vn[1], vn_stride_row=vn[2],
         batch=x.batch, entries=x.entries, rows=rows, nq=x.nq, d=x.d, dv=x.dv, n_new=x.n_new,
-        seqlen_all=x.seqlen_all, capacity=x.capacity, page_size=x.page_size, num_pages=x.num_pages,
+        seqlen_all=x.seqlen_all, capacity=x.capacity, page_size=x.page_size,
+        page_div=_params.fast_divisor(x.page_size), num_pages=x.num_pages,
         max_pages=0 if x.block_table is None else x.block_table.shape[1],
         window_left=left, window_right=right,
         scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,

@@ -18,7 +18,7 @@ CUPY_INSTALL = (
     "(with a CUDA 13 driver: cupy-cuda13x 'cuda-toolkit[cudart,nvrtc]>=13,<14' ml_dtypes)"
 )
 
-_DRIVER_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+DRIVER_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
 _INSUFFICIENT_DRIVER = 35   # cudaErrorInsufficientDriver
 _NO_DEVICE = 100            # cudaErrorNoDevice
 
@@ -58,7 +58,7 @@ def _runtime_problem(runtime, err) -> str:
     status = getattr(err, "status", None)
     if status == _INSUFFICIENT_DRIVER:
         if not _driver_loads():
-            return f"no NVIDIA driver is installed ({_DRIVER_LIBRARY} could not be loaded)"
+            return f"no NVIDIA driver is installed ({DRIVER_LIBRARY} could not be loaded)"
         return (
             f"the NVIDIA driver supports CUDA {_version(runtime.driverGetVersion())}, older than the "
             f"CUDA {_version(runtime.runtimeGetVersion())} runtime of this CuPy build: update the driver, "
@@ -77,7 +77,7 @@ def _no_device() -> str:
 
 def _driver_loads() -> bool:
     try:
-        ctypes.CDLL(_DRIVER_LIBRARY)
+        ctypes.CDLL(DRIVER_LIBRARY)
     except OSError:
         return False
     return True

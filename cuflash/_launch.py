@@ -34,6 +34,8 @@ class Launch:
     smem: int
     params: np.ndarray  # AttnParams, BwdParams or DecodeParams, pointers 0
     fields: tuple[int, ...] = FWD_FIELDS  # the record's pointers, as indices into the arrays
+    # the Q, K, V tensor maps the record takes per call (_tensor_map.AttentionMaps), or None
+    maps: object = None
 
     def __post_init__(self):
         # the record as launches read it, built once per plan rather than per call
@@ -53,6 +55,8 @@ class Launch:
             stream = cupy.cuda.get_current_stream().ptr
         with record.lock:
             record.fill(pointers)
+            if self.maps is not None:   # (q, k, v: the first three pointers of FWD_FIELDS)
+                record.write(_params.WS_MAPS_OFFSET, self.maps.encoded(*pointers[:3]))
             driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
                                 record.kernel_params, 0)
 

@@ -40,6 +40,19 @@ PARAMS_DTYPE = np.dtype(
 )
 
 
+# kernels/prefill/attn_fwd_sm90_ws.cuh: WsFwdParams, AttnParams then three 128-byte tensor
+# maps from a 64-byte boundary (_tensor_map.attention_maps; zeros where the kernel loads by cp.async)
+MAP_BYTES = 128
+WS_MAPS_OFFSET = -(-PARAMS_DTYPE.itemsize // 64) * 64
+WS_PARAMS_DTYPE = np.dtype({
+    "names": list(PARAMS_DTYPE.names) + ["q_map", "k_map", "v_map"],
+    "formats": [PARAMS_DTYPE.fields[n][0] for n in PARAMS_DTYPE.names] + [(np.uint8, (MAP_BYTES,))] * 3,
+    "offsets": [PARAMS_DTYPE.fields[n][1] for n in PARAMS_DTYPE.names]
+    + [WS_MAPS_OFFSET + i * MAP_BYTES for i in range(3)],
+    "itemsize": WS_MAPS_OFFSET + 3 * MAP_BYTES,
+})
+
+
 BWD_PARAMS_DTYPE = np.dtype(
     PARAMS_DTYPE.descr
     + [
@@ -61,7 +74,7 @@ DECODE_PARAMS_DTYPE = np.dtype(
         "q_stride_b", "q_stride_e", "q_stride_row", "k_stride_b", "k_stride_e", "k_stride_row",
         "v_stride_b", "v_stride_e", "v_stride_row", "kn_stride_b", "kn_stride_e", "kn_stride_row",
         "vn_stride_b", "vn_stride_e", "vn_stride_row", "batch", "entries", "rows", "nq", "d", "dv", "n_new",
-        "seqlen_all", "capacity", "page_size", "num_pages", "max_pages", "window_left", "window_right")]
+        "seqlen_all", "capacity", "page_size", "page_div", "num_pages", "max_pages", "window_left", "window_right")]
     + [("scale_log2", np.float64), ("splits", np.int64), ("split_keys", np.int64)]
 )
 
@@ -137,6 +150,16 @@ def attn_params(inputs, block_m: int, layout: BatchLayout | None = None) -> np.n
     return np.array([_attn_values(inputs, block_m, layout or batch_layout(inputs))], dtype=PARAMS_DTYPE)
 
 
+def ws_params(inputs, block_m: int, layout: BatchLayout | None = None) -> np.ndarray:
+    """One ``WsFwdParams`` record: ``attn_params``' fields, the maps zero (``Record.write``
+    gives them per call where the kernel reads through them)."""
+    record = np.zeros(1, dtype=WS_PARAMS_DTYPE)
+    attn = attn_params(inputs, block_m, layout)
+    for name in PARAMS_DTYPE.names:
+        record[0][name] = attn[0][name]
+    return record
+
+
 def bwd_params(inputs, resident: int, layout: BatchLayout | None = None) -> np.ndarray:
     """One ``BwdParams`` record, pointers left 0; query and key blocks of ``resident`` rows."""
     values = _attn_values(inputs, resident, layout or batch_layout(inputs)) + (0, 0, 0, 0, 0, -(-inputs.nk // resident))
@@ -151,6 +174,7 @@ _POINTER_WORDS = {   # runs of consecutive words (slices assign faster than inde
     PARAMS_DTYPE: (slice(0, FWD_POINTERS),),
     BWD_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)),
     DECODE_PARAMS_DTYPE: (slice(0, len(DECODE_POINTERS)),),
+    WS_PARAMS_DTYPE: (slice(0, FWD_POINTERS),),
 }
 
 
@@ -160,10 +184,11 @@ class Record:
     writes each call's data pointers into it; the driver copies it when the kernel is
     launched, so the next call can fill it again (under ``lock``, for threads)."""
 
-    __slots__ = ("buffer", "words", "dtype", "kernel_params", "pointer_runs", "lock")
+    __slots__ = ("buffer", "bytes", "words", "dtype", "kernel_params", "pointer_runs", "lock")
 
     def __init__(self, params: np.ndarray):
         self.buffer = np.zeros(params.nbytes // 8 + 1, dtype=np.uint64)
+        self.bytes = memoryview(self.buffer).cast("B")
         self.words = self.buffer[1:]
         self.words[:] = params.view(np.uint64)
         self.dtype = params.dtype
@@ -181,6 +206,10 @@ class Record:
         """Writes the data pointers (ints, 0 for none) into the record's pointer fields, in order."""
         for packer, offset, first, last in self.pointer_runs:
             packer.pack_into(self.buffer, offset, *pointers[first:last])
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Writes ``data`` into the record at byte ``offset`` (a call's tensor maps)."""
+        self.bytes[8 + offset:8 + offset + len(data)] = data
 
     def view(self) -> np.void:
         """The record as its structured dtype (for inspection)."""

@@ -8,6 +8,7 @@ dtype or head dim is a table row, never a new kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Head dims are padded (without copies: the loads zero-fill) to the next bucket.
@@ -108,9 +109,10 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
     if head_dim == 64 and keys is not None and keys <= 128:
         # one warpgroup per block, four blocks per SM (bench/NOTES.md v14)
         return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=4)
-    # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage
-    # gained nothing, and 64-key blocks beat 128 at head dim 64 (head dims 64 and 128
-    # run these only where hopper_fwd_tiles picks them over the loading-warpgroup kernel)
+    # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage gained
+    # nothing, and 64-key blocks beat 128 at head dim 64. (hopper_fwd_tiles runs these at
+    # head dim 256; at 64 and 128 it runs the loading-warpgroup kernel, but for the short
+    # tiles above.)
     block_n = 128 if head_dim == 128 else 64
     return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2)
 
@@ -123,12 +125,16 @@ class Sm90WsFwdTiles:
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     block_n: int  # keys per ring buffer
     stages: int  # K and V buffers in the ring
+    tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
+    pingpong: bool = False  # the computing warpgroups take turns issuing their products
+    q_buffers: int = 2  # Q tiles in flight: the next tile's loads under this one's products
     block_m = 128
     threads = 384
 
     def smem_bytes(self, itemsize: int) -> int:
-        # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (two Q buffers, the ring, 8-byte barriers)
-        return 1024 + (2 * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize + 8 * (4 + 4 * self.stages)
+        # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers)
+        tiles = (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
+        return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages)
 
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
@@ -165,7 +171,7 @@ HOPPER_FWD_KEYS = (128, 2048)
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
-    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {_flag(packed)}>"
+    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>"
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
@@ -308,9 +314,14 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
                     for keys in HOPPER_FWD_KEYS:
-                        name = hopper_fwd_name(dt, hopper_fwd_tiles(dt, hd, keys), packed)
-                        if name not in names:
-                            names.append(name)
+                        tiles = hopper_fwd_tiles(dt, hd, keys)
+                        variants = [tiles]
+                        if isinstance(tiles, Sm90WsFwdTiles) and not packed:   # dense: through tensor maps where they fit
+                            variants.append(dataclasses.replace(tiles, tma=True))
+                        for t in variants:
+                            name = hopper_fwd_name(dt, t, packed)
+                            if name not in names:
+                                names.append(name)
                     names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd), packed))
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))

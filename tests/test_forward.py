@@ -98,6 +98,23 @@ def test_grid_order_with_a_smaller_last_group(monkeypatch, d, entries):
     check_forward(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [100, 128])
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": (90, 30)}])
+def test_hopper_forward_of_two_warpgroups_at_head_dim_128(monkeypatch, dtype, d, mask):
+    """attn_fwd_sm90 at head dim 128 (its LEAN path): the library runs the loading-warpgroup
+    kernel there, but bench/tune_tiles.py times this one, and it must stay right."""
+    from cuflash import _compile, _dispatch, _plans, _tiles
+
+    if _compile.current_arch() != "sm_90a":
+        pytest.skip("attn_fwd_sm90 runs on Hopper only")
+    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: _tiles.Sm90FwdTiles(128, 128, warpgroups=2))
+    monkeypatch.setattr(_plans, "_plans", {})   # plans made with the patch
+    rng = np.random.default_rng(d + len(mask))
+    q, k, v = (random_array(rng, (3, 2, n, d), dtype) for n in (333, 300, 300))
+    check_forward(q * 3, k, v, **mask)
+
+
 # head dims that are not a multiple of 8 (zero-padded for the kernels), with Dv != D too
 ODD_HEAD_DIMS = ((1, 1), (7, 7), (59, 59), (100, 100), (111, 111), (255, 255), (3, 130), (200, 13))
 

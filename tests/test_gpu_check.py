@@ -60,7 +60,7 @@ def test_no_driver(monkeypatch):
     # CuPy's own message here would be "driver version is insufficient"
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy(status=35, driver=0))
     monkeypatch.setattr(_gpu, "_driver_loads", lambda: False)
-    assert _gpu._find_problem() == f"no NVIDIA driver is installed ({_gpu._DRIVER_LIBRARY} could not be loaded)"
+    assert _gpu._find_problem() == f"no NVIDIA driver is installed ({_gpu.DRIVER_LIBRARY} could not be loaded)"
 
 
 def test_old_driver(monkeypatch):

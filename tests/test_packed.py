@@ -366,7 +366,7 @@ def test_many_short_tiles(dtype, d, mask):
     with at most 128 keys, blocks of one warpgroup run one tile each; cuflash/_tiles.py:
     hopper_fwd_tiles)."""
     rng = np.random.default_rng(d)
-    b, h, n = 40, 8, (100 if d == 64 else 190)   # keys short enough for blocks that run several tiles
+    b, h, n = 40, 8, (100 if d == 64 else 190)   # keys short enough for the short-sequence tiles
     q, k, v = (random_array(rng, (b, h, n, d), dtype, 2.0) for _ in range(3))
     with poisoned_allocations():
         out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)

@@ -52,6 +52,9 @@ template <int ID, int THREADS>
 __device__ __forceinline__ void named_barrier_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
 template <int ID, int THREADS>
 __device__ __forceinline__ void named_barrier_sync() { asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
+// (the same, for an id known only at run time: which warpgroup a thread is in)
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory"); }
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory"); }
 
 // Issues the copies of rows [0, ROWS) x cols [0, COLS) of a global tile whose
 // row r starts at g + r * row_stride; rows >= rows_valid and columns >= cols_valid

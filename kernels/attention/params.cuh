@@ -49,7 +49,8 @@ struct AttnParams {
     index_t q_row_stride, k_row_stride, v_row_stride;   // in elements
     index_t nq, nk, d, dv;    // rows of q and k (of all sequences when packed)
     // Row i attends key j iff i + off - window_left <= j <= i + off + window_right,
-    // off = nk - nq. Both are >= 0; "unbounded" arrives as nq + nk.
+    // off = nk - nq. Both are >= 0; "unbounded" arrives as the least that reaches every
+    // key, left nk and right nq (_params.window_sides).
     index_t window_left, window_right;
     double scale_log2;        // softmax scale * log2(e): exp2 replaces exp
     index_t num_m_blocks;     // query blocks per batch entry

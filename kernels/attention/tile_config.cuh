@@ -1,6 +1,6 @@
 // tile_config.cuh: tile shapes and the shared-memory layout they imply,
 // kept apart from the algorithm. The shapes themselves are chosen per
-// (dtype, head dim) in cuflash/_dispatch.py and arrive as template arguments.
+// (dtype, head dim) in cuflash/_tiles.py and arrive as template arguments.
 #pragma once
 
 namespace cuflash {
@@ -87,16 +87,18 @@ struct Sm90FwdConfig {
 };
 
 // Hopper forward with a loading warpgroup (attn_fwd_sm90_ws.cuh): warpgroup 0 copies,
-// warpgroups 1 and 2 compute 64 query rows each of a 128-row tile. Q has two buffers
-// (the next tile's loads while the current one computes), K and V a ring of STAGES.
+// warpgroups 1 and 2 compute 64 query rows each of a 128-row tile. Q has Q_BUFFERS
+// buffers (two: the next tile's loads while the current one computes; one where two do
+// not fit, head dim 256), K and V a ring of STAGES.
 // The loaders need few registers and give them to the computing warpgroups:
 // 128 * PRODUCER_REGS + 256 * CONSUMER_REGS stays within the SM's 64K.
-template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_>
+template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_>
 struct Sm90WsFwdConfig {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;
     static constexpr int STAGES = STAGES_;
+    static constexpr int Q_BUFFERS = Q_BUFFERS_;
     static constexpr int BLOCK_M = 128;
     static constexpr int THREADS = 384;
     static constexpr int PRODUCER_THREADS = 128;
@@ -108,9 +110,10 @@ struct Sm90WsFwdConfig {
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
     using VTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
-    // barriers: q full/empty x 2, k full/empty x STAGES, v full/empty x STAGES
-    static constexpr int BARRIERS = 4 + 4 * STAGES;
-    static constexpr int SMEM_BYTES = 1024 + 2 * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) + 8 * BARRIERS;
+    // barriers: q full/empty x Q_BUFFERS, k full/empty x STAGES, v full/empty x STAGES
+    static constexpr int BARRIERS = 2 * Q_BUFFERS + 4 * STAGES;
+    static constexpr int SMEM_BYTES =
+        1024 + Q_BUFFERS * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) + 8 * BARRIERS;
 };
 
 // Hopper backward: each warpgroup owns 64 resident rows; the other side streams

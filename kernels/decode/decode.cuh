@@ -36,7 +36,7 @@ struct DecodeParams {
     index_t batch, entries, rows, nq, d, dv, n_new;
     index_t seqlen_all;
     index_t capacity;          // keys a sequence can hold: Nmax, or max_pages * page_size
-    index_t page_size, num_pages, max_pages;
+    index_t page_size, page_div, num_pages, max_pages;   // page_div: fast_div's constant for page_size
     index_t window_left, window_right;   // as AttnParams
     double scale_log2;
     index_t splits, split_keys;          // keys per split: a multiple of the key block
@@ -47,19 +47,26 @@ struct DecodeParams {
     __device__ __forceinline__ int length(int b) const {
         return int(min(max(index_t(cached(b)) + n_new, index_t(0)), capacity));
     }
-    // Offsets of key j of sequence b in k and v (entry e), through the page table when paged.
+    // Where key j of sequence b lives: the table's entry for its page, as given (b itself in
+    // a contiguous cache; slot() clamps it to the pages there are, apart, so that a read
+    // ahead of time is not waited for at once), and its row there.
+    __device__ __forceinline__ int table_entry(int b, int j) const {
+        return block_table ? __ldg(block_table + index_t(b) * max_pages + page_index(j)) : b;
+    }
+    __device__ __forceinline__ int slot(int entry) const {
+        return block_table ? min(max(entry, 0), int(num_pages) - 1) : entry;
+    }
+    __device__ __forceinline__ int row_of(int j) const {
+        return block_table ? j - page_index(j) * int(page_size) : j;
+    }
+    __device__ __forceinline__ int page_index(int j) const { return int(fast_div(u32(j), page_div)); }
+    // Offsets in k and v of row `row` of slot `at` (a sequence's cache, or a page), entry e.
+    __device__ __forceinline__ void offsets(int at, int e, int row, index_t& ok, index_t& ov) const {
+        ok = at * k_stride_b + e * k_stride_e + row * k_stride_row;
+        ov = at * v_stride_b + e * v_stride_e + row * v_stride_row;
+    }
     __device__ __forceinline__ void key_offsets(int b, int e, int j, index_t& ok, index_t& ov) const {
-        index_t slot = b, row = j;
-        if (block_table) {
-            const int size = int(page_size);
-            const bool pow2 = (size & (size - 1)) == 0;   // the usual sizes: a shift and a mask, no division
-            const int index = pow2 ? j >> (__ffs(size) - 1) : j / size;
-            const int page = block_table[index_t(b) * max_pages + index];
-            slot = min(max(page, 0), int(num_pages) - 1);
-            row = pow2 ? j & (size - 1) : j % size;
-        }
-        ok = slot * k_stride_b + e * k_stride_e + row * k_stride_row;
-        ov = slot * v_stride_b + e * v_stride_e + row * v_stride_row;
+        offsets(slot(table_entry(b, j)), e, row_of(j), ok, ov);
     }
 };
 
@@ -160,12 +167,27 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     // (the host picks LAYOUT from the page size: _tiles.decode_tiles)
     static_assert(LAYOUT != int(KeyLayout::RUNS) || (HEAD_DIM <= 128 && BLOCK_N % Tiles::RUN == 0),
                   "runs of 16 rows for heads up to 128 wide (wider: the runs' offsets would spill)");
+    // A block's keys lie in SPANS runs of one page each (one for BLOCKS). Their table
+    // entries are read LOOKAHEAD blocks before their copies, so that the table's
+    // latency hides under the products between rather than stalling every copy (a contiguous
+    // cache reads no table). entries[s][w]: run w of the block s after the next one to load.
+    constexpr int SPAN = LAYOUT == int(KeyLayout::RUNS) ? Tiles::RUN : BLOCK_N;
+    constexpr int SPANS = BLOCK_N / SPAN, LOOKAHEAD = STAGES - 1;
+    int entries[LOOKAHEAD][SPANS] = {};
+    auto fetch_entries = [&](int nb, int (&out)[SPANS]) {
+        if constexpr (LAYOUT != int(KeyLayout::ROWS)) {   // (rows: looked up row by row as copied)
+            if (nb >= nb_end) return;
+#pragma unroll
+            for (int w = 0; w < SPANS; ++w)   // (a run past the last key is all zeros: its first row clamped to one that exists)
+                out[w] = p.table_entry(b, min(nb * BLOCK_N + w * SPAN, nk - 1));
+        }
+    };
     auto load_kv = [&](int nb, int stage) {
         const int n0 = nb * BLOCK_N, valid = min(BLOCK_N, nk - n0);
         const u32 s_kb = s_k + stage * KVTile::BYTES, s_vb = s_v + stage * KVTile::BYTES;
         if constexpr (LAYOUT == int(KeyLayout::BLOCKS)) {
             index_t ok, ov;
-            p.key_offsets(b, e, n0, ok, ov);
+            p.offsets(p.slot(entries[0][0]), e, p.row_of(n0), ok, ov);
             // (strided: each thread steps down the rows by constants; all but a sequence's
             // last block are whole, and take copies with no predicates)
             if (valid == BLOCK_N && d == HEAD_DIM && dv == HEAD_DIM) {
@@ -176,16 +198,12 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
                 load_tile_async<KVTile, THREADS, true>(s_vb, g_v + ov, p.v_stride_row, valid, dv);
             }
         } else if constexpr (LAYOUT == int(KeyLayout::RUNS)) {
-            // every run's table entry first, all in flight at once, then the copies
-            constexpr int RUNS = BLOCK_N / Tiles::RUN;
-            index_t ok[RUNS], ov[RUNS];
 #pragma unroll
-            for (int w = 0; w < RUNS; ++w)   // (a run past the last key is all zeros: its first row clamped to one that exists)
-                p.key_offsets(b, e, min(n0 + w * Tiles::RUN, nk - 1), ok[w], ov[w]);
-#pragma unroll
-            for (int w = 0; w < RUNS; ++w) {
-                load_tile_async<RunTile, THREADS>(s_kb + w * RUN_BYTES, g_k + ok[w], p.k_stride_row, valid - w * Tiles::RUN, d);
-                load_tile_async<RunTile, THREADS>(s_vb + w * RUN_BYTES, g_v + ov[w], p.v_stride_row, valid - w * Tiles::RUN, dv);
+            for (int w = 0; w < SPANS; ++w) {
+                index_t ok, ov;
+                p.offsets(p.slot(entries[0][w]), e, p.row_of(min(n0 + w * SPAN, nk - 1)), ok, ov);
+                load_tile_async<RunTile, THREADS>(s_kb + w * RUN_BYTES, g_k + ok, p.k_stride_row, valid - w * SPAN, d);
+                load_tile_async<RunTile, THREADS>(s_vb + w * RUN_BYTES, g_v + ov, p.v_stride_row, valid - w * SPAN, dv);
             }
         } else {
             auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
@@ -194,11 +212,17 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
             load_rows_async<KVTile, THREADS, Storage>(s_vb, v_row, valid, dv);
         }
     };
-    // the loads of step i (i < 0: the prologue's), one cp.async group each
+    // the loads of step i (i < 0: the prologue's), one cp.async group each; then the
+    // entries move up a block and the table read for the block LOOKAHEAD further goes out
     auto load_step = [&](int i) {
         const int nb = nb_begin + i + STAGES - 1;
         if (nb < nb_end) load_kv(nb, (i + STAGES - 1) % STAGES);
         cp_async_commit();
+#pragma unroll
+        for (int s = 0; s + 1 < LOOKAHEAD; ++s)
+#pragma unroll
+            for (int w = 0; w < SPANS; ++w) entries[s][w] = entries[s + 1][w];
+        fetch_entries(nb + LOOKAHEAD, entries[LOOKAHEAD - 1]);
     };
 
     float acc[M_TILES][D_TILES][4];
@@ -209,6 +233,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     if (nb_begin < nb_end) {
         load_rows_async<QTile, THREADS, Storage>(
             s_q, [&](int r) { return g_q + (row0 + r) * p.q_stride_row; }, rows, d);
+#pragma unroll
+        for (int s = 0; s < LOOKAHEAD; ++s) fetch_entries(nb_begin + s, entries[s]);   // all in flight at once
 #pragma unroll
         for (int i = 1 - STAGES; i < 0; ++i) load_step(i);
     }
