@@ -9,6 +9,7 @@ dtype or head dim is a table row, never a new kernel.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 # Head dims are padded (without copies: the loads zero-fill) to the next bucket.
@@ -131,28 +132,41 @@ class Sm90WsFwdTiles:
     block_m = 128
     threads = 384
 
+    @property
+    def maps_only(self) -> bool:
+        """Whether the tiles run only through tensor maps: with one Q buffer the cp.async
+        loader ran at half the speed of attn_fwd_sm90 (bench/NOTES.md v17)."""
+        return self.q_buffers == 1
+
     def smem_bytes(self, itemsize: int) -> int:
         # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers)
         tiles = (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
         return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages)
 
 
-def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
+def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
+                      masked: bool = False) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
-    measurement (bench/NOTES.md v13): head dims 64 and 128, except head dim 64 with at most
-    128 keys per tile (of each sequence; the mean over packed ones), where blocks of one
-    warpgroup, four per SM, stay ahead. None elsewhere."""
-    if dtype_name == "float32" or head_dim not in (64, 128):
+    measurement (bench/NOTES.md v13, v17): head dims 64 and 128, except head dim 64 with at
+    most 128 keys per tile (of each sequence; the mean over packed ones), where blocks of one
+    warpgroup, four per SM, stay ahead; and head dim 256 without a mask (``masked``: causal
+    or a window), with one Q buffer and through tensor maps only (``maps_only``): there it
+    ran at 1.3-1.4x attn_fwd_sm90, under a causal mask at 0.88-0.93x. None elsewhere."""
+    if dtype_name == "float32":
+        return None
+    if head_dim == 256:
+        return None if masked else Sm90WsFwdTiles(256, 64, stages=2, q_buffers=1)
+    if head_dim not in (64, 128):
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         return None
     return Sm90WsFwdTiles(head_dim, 128, stages=2)
 
 
-def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None):
+def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, masked: bool = False):
     """The Hopper forward's kernel for a call: loading-warpgroup tiles (Sm90WsFwdTiles),
     attn_fwd_sm90 tiles (Sm90FwdTiles), or None where the portable kernel runs."""
-    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys)
+    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, masked)
     return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys)
 
 
@@ -313,11 +327,15 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             for packed in (False, True):
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
-                    for keys in HOPPER_FWD_KEYS:
-                        tiles = hopper_fwd_tiles(dt, hd, keys)
+                    for keys, masked in itertools.product(HOPPER_FWD_KEYS, (False, True)):
+                        tiles = hopper_fwd_tiles(dt, hd, keys, masked)
                         variants = [tiles]
-                        if isinstance(tiles, Sm90WsFwdTiles) and not packed:   # dense: through tensor maps where they fit
-                            variants.append(dataclasses.replace(tiles, tma=True))
+                        if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
+                            variants = [dataclasses.replace(tiles, tma=True)] if not packed else []
+                            if not tiles.maps_only:
+                                variants.append(tiles)
+                            else:   # (where no maps fit, attn_fwd_sm90)
+                                variants.append(sm90_fwd_tiles(dt, hd, keys))
                         for t in variants:
                             name = hopper_fwd_name(dt, t, packed)
                             if name not in names:
@@ -380,16 +398,18 @@ def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None 
 
     - 32 rows per block only for 16-bit types up to head dim 128 (registers).
     - 128 keys per stage for 16-bit heads up to 64 wide, so that a stage moves as many bytes
-      as at head dim 128 (by measurement, bench/NOTES.md v15); but 64 over pages that do not
-      hold whole blocks of 128, whose copies go run by run and need the four resident blocks
-      of the smaller stages to hide the table reads.
+      as at head dim 128 (by measurement, bench/NOTES.md v15), over pages too when they hold
+      whole blocks of 128 or are read run by run (their table entries read ahead: v17); but
+      64 over pages of whole 64-key blocks (found with one table read each, v15) and over
+      pages read row by row.
     - three stages where they fit in 100 KB (two blocks per SM), two for float32 (registers).
     - keys found block by block where pages hold whole blocks, else run by run where pages
       hold whole runs of 16 rows (heads up to 128 wide: wider, the runs' offsets spill), else
       row by row.
     """
     block_rows = 32 if rows > 16 and head_dim <= 128 and itemsize == 2 else 16
-    wide_stages = head_dim <= 64 and itemsize == 2 and (page_size is None or page_size % 128 == 0)
+    by_runs = page_size is not None and page_size % 64 != 0 and page_size % DECODE_RUN == 0
+    wide_stages = head_dim <= 64 and itemsize == 2 and (page_size is None or page_size % 128 == 0 or by_runs)
     block_n = 128 if wide_stages else 64
     stages = 3 if itemsize == 2 and 3 * 2 * block_n * head_dim * itemsize <= 100 * 1024 else 2
     if page_size is None or page_size % block_n == 0:
