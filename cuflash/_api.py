@@ -103,7 +103,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
         # without return_lse the kernels write lse where nobody reads it (no allocation)
         lse = (cupy.empty(plan.shapes[1], dtype=cupy.float32) if return_lse
-               else _launch.sink(cupy, plan.device, 4 * out.size // max(1, plan.shapes[0][-1])))
+               else _launch.lse_sink(cupy, plan.device, out))
         lists = _tile_lists(cupy, plan.launches)
         arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES))
         for launch in plan.launches.runs:

@@ -157,7 +157,7 @@ class KVCacheLaunches:
         if return_lse:
             lse = lse_ptr = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
         else:
-            lse, lse_ptr = None, sink(cupy, device, 4 * out.size // max(1, self.out_shape[-1]))
+            lse, lse_ptr = None, lse_sink(cupy, device, out)
         stream = cupy.cuda.get_current_stream().ptr
         part_out = part_lse = counts = None
         if self.parts is not None:   # the counters, then the float32 partial outputs, then their lse
@@ -214,11 +214,12 @@ def _kept(cupy, table: dict, key, needs: tuple[int, ...], floors: tuple[int, ...
     return entry
 
 
-def sink(cupy, device: int, nbytes: int) -> int:
-    """A pointer to at least ``nbytes`` of ``device`` memory (the current device) that kernels
-    may write and nothing reads: for an output a call does not return (lse without
-    return_lse), in place of an allocation per call. One buffer per device, for every
-    stream: concurrent writers cannot harm what nobody reads."""
+def lse_sink(cupy, device: int, out) -> int:
+    """A pointer to room for the float32 lse of every row of ``out`` in ``device`` memory (the
+    current device) that kernels may write and nothing reads: for a call without return_lse,
+    in place of an allocation per call. One buffer per device, for every stream: concurrent
+    writers cannot harm what nobody reads."""
+    nbytes = 4 * out.size // max(1, out.shape[-1])
     return _kept(cupy, _sinks, device, (nbytes,), (1 << 16,), False)[0]
 
 

@@ -1,7 +1,8 @@
 """The kernels' parameter record (``AttnParams`` in ``kernels/attention/params.cuh``).
 
 Built as a NumPy structured scalar and passed to the kernel by value. Every
-field is 8 bytes wide, so C++ and NumPy lay it out alike with no padding; the
+field is 8 bytes wide, so C++ and NumPy lay it out alike with no padding (but
+for WsFwdParams' 64-byte-aligned tensor maps, whose offsets are given); the
 kernel checks the size at compile time.
 """
 

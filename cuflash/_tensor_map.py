@@ -87,10 +87,9 @@ def _encoder():
     return encode
 
 
-@functools.lru_cache(maxsize=4096)
 def encode(tile: TileMap) -> bytes:
-    """The 128 bytes of ``tile``'s tensor map, from the driver (kept per map: a call
-    signature's maps are encoded once)."""
+    """The 128 bytes of ``tile``'s tensor map, from the driver (AttentionMaps keeps a launch's
+    maps per address triple, so a repeated call encodes nothing)."""
     tile.check()
     rank = len(tile.dims)
     out = (ctypes.c_uint64 * (MAP_BYTES // 8))()

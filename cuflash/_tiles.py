@@ -135,7 +135,7 @@ class Sm90WsFwdTiles:
     @property
     def maps_only(self) -> bool:
         """Whether the tiles run only through tensor maps: with one Q buffer the cp.async
-        loader ran at half the speed of attn_fwd_sm90 (bench/NOTES.md v17)."""
+        loader ran at 0.5-0.8x attn_fwd_sm90 (bench/NOTES.md v17)."""
         return self.q_buffers == 1
 
     def smem_bytes(self, itemsize: int) -> int:
@@ -151,7 +151,7 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     most 128 keys per tile (of each sequence; the mean over packed ones), where blocks of one
     warpgroup, four per SM, stay ahead; and head dim 256 without a mask (``masked``: causal
     or a window), with one Q buffer and through tensor maps only (``maps_only``): there it
-    ran at 1.3-1.4x attn_fwd_sm90, under a causal mask at 0.88-0.93x. None elsewhere."""
+    ran at 1.2-1.4x attn_fwd_sm90, under a causal mask at 0.84-0.99x. None elsewhere."""
     if dtype_name == "float32":
         return None
     if head_dim == 256:
