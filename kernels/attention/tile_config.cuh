@@ -116,6 +116,35 @@ struct Sm90WsFwdConfig {
         1024 + Q_BUFFERS * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) + 8 * BARRIERS;
 };
 
+// Hopper backward passes with a loading warpgroup (attn_bwd_sm90_ws.cuh): warpgroup 0
+// copies, warpgroups 1 and 2 own 64 rows each of a 128-row resident block (keys for
+// dk/dv, queries for dq); the other side streams in steps of STEP rows through a
+// ring of STAGES, each stage guarded by a full and an empty mbarrier. ROW_STATS: each
+// stage also holds its query rows' lse and delta (the dk/dv pass).
+template <class T, int HEAD_DIM_, int STEP_, int STAGES_, bool ROW_STATS>
+struct Sm90WsBwdConfig {
+    using Storage = typename T::storage;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int STEP = STEP_;
+    static constexpr int RESIDENT = 128;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int THREADS = 384;
+    static constexpr int PRODUCER_THREADS = 128;
+    static constexpr int CONSUMER_THREADS = 256;
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = 240;
+    static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "register file");
+
+    using ResidentTile = PanelTile<Storage, RESIDENT, HEAD_DIM>;
+    using StepTile = PanelTile<Storage, STEP, HEAD_DIM>;
+    // barriers: the resident tiles full; per stage, step full and empty
+    static constexpr int BARRIERS = 1 + 2 * STAGES;
+    static constexpr int ROW_STATS_BYTES = ROW_STATS ? 2 * STAGES * STEP * 4 : 0;
+    // [2 resident tiles][2 step tiles x STAGES][lse x STAGES][delta x STAGES][barriers]
+    static constexpr int SMEM_BYTES =
+        1024 + 2 * ResidentTile::BYTES + 2 * STAGES * StepTile::BYTES + ROW_STATS_BYTES + 8 * BARRIERS;
+};
+
 // Hopper backward: each warpgroup owns 64 resident rows; the other side streams
 // in steps of STEP rows. The gradient columns per block (DCOL) change no buffer.
 template <class T, int HEAD_DIM_, int STEP_, int WARPGROUPS_, int STAGES_>

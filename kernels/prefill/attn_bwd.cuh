@@ -30,13 +30,17 @@ __device__ __forceinline__ float probability(float s, float scale_log2, float ls
 // Scores of a warp's 16 x STEP tile to probabilities. Rows are keys and the
 // lse2 of each query column comes from shared memory (transposed tiles), or
 // rows are queries with their two lse2 values in registers.
-template <class T, bool MASKED, int S_TILES>
+// RAW: the column values are lse as stored (natural log), turned to lse2 here.
+template <class T, bool MASKED, int S_TILES, bool RAW = false>
 __device__ __forceinline__ void probabilities_by_col(float (&s)[1][S_TILES][4], float scale_log2, const float* lse2) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, lse2[nt * 8 + 2 * t + (e & 1)]);
+        for (int e = 0; e < 4; ++e) {
+            const float l = lse2[nt * 8 + 2 * t + (e & 1)];
+            s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, RAW ? lse_to_log2(l) : l);
+        }
 }
 template <class T, bool MASKED, int S_TILES>
 __device__ __forceinline__ void probabilities_by_row(float (&s)[1][S_TILES][4], float scale_log2, const float (&lse2)[2]) {
@@ -76,6 +80,15 @@ __device__ __forceinline__ void store_rows(typename T::storage* g, const float (
                 Store<T>::pair(g + index_t(row) * width + col, acc[0][dt][2 * h] * scale, acc[0][dt][2 * h + 1] * scale);
         }
     }
+}
+
+// The query blocks of STEP rows that see key rows [n0, n_end): [begin, end).
+template <int STEP>
+__device__ __forceinline__ void query_blocks(const Band& band, int n0, int n_end, int nq, int& begin, int& end) {
+    int lo, hi;
+    band.row_range(n0, n_end, nq, lo, hi);
+    begin = lo / STEP;
+    end = hi > lo ? ceil_div(hi, STEP) : begin;
 }
 
 // The query side of a dk/dv block: the blocks of STEP query rows that see its keys,
@@ -163,10 +176,9 @@ attn_bwd_dkdv(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    int m_lo, m_hi;
-    band.row_range(n0, n_end, nq, m_lo, m_hi);
-    const int mb_begin = m_lo / STEP;
-    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
+    int mb_begin, mb_end;
+    query_blocks<STEP>(band, n0, n_end, nq, mb_begin, mb_end);
+    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
 
     auto load_step = [&](int j, int stage) {
         int m0;

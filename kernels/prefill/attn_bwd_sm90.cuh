@@ -102,10 +102,9 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    int m_lo, m_hi;
-    band.row_range(n0, n_end, nq, m_lo, m_hi);
-    const int mb_begin = m_lo / STEP;
-    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
+    int mb_begin, mb_end;
+    query_blocks<STEP>(band, n0, n_end, nq, mb_begin, mb_end);
+    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
 
     QueryRowStats<STEP, Cfg::THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
     auto loads = steps.first();   // the next step to load
@@ -286,10 +285,9 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + 64, nk);
-    int m_lo, m_hi;
-    band.row_range(n0, n_end, nq, m_lo, m_hi);
-    const int mb_begin = m_lo / STEP;
-    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
+    int mb_begin, mb_end;
+    query_blocks<STEP>(band, n0, n_end, nq, mb_begin, mb_end);
+    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
 
     QueryRowStats<STEP, THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
     auto loads = steps.first();   // the next step to load

@@ -1,0 +1,320 @@
+// attn_bwd_sm90_ws.cuh: the Hopper backward's passes with their loads on their own warps.
+//
+// attn_bwd_dkdv_sm90 and attn_bwd_dq_sm90 tie their two warpgroups together with a
+// block-wide barrier each step, and their registers hold the loads' addresses and
+// cursors beside the gradients. Here warpgroup 0 only loads, by cp.async (any layout,
+// packed sequences, grouped queries): the block's 128 resident rows once, then each
+// step's rows of the other side into a ring of STAGES, a stage's "full" barrier
+// completing as its copies land and its "empty" one once both computing warpgroups
+// are done with it. Warpgroups 1 and 2 own 64 resident rows each and run the
+// products of attn_bwd_sm90.cuh without waiting for each other.
+#pragma once
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+namespace cuflash {
+
+template <class T, int HEAD_DIM, int STAGES, bool PACKED>
+__global__ void __launch_bounds__(384, 1)
+attn_bwd_dkdv_sm90_ws(const BwdParams p) {
+    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 64, STAGES, true>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    using Slot = RingSlot<STAGES>;
+    constexpr int STEP = Cfg::STEP, S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
+    Work w;
+    if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
+    const int n0 = w.block * Cfg::RESIDENT;
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
+
+    // [K][V][Q x STAGES][dO x STAGES][lse x STAGES][delta x STAGES][barriers]
+    const u32 s_k = (smem_address(smem) + 1023u) & ~1023u;
+    const u32 s_v = s_k + RTile::BYTES;
+    const u32 s_q = s_v + RTile::BYTES;
+    const u32 s_do = s_q + STAGES * STile::BYTES;
+    const u32 s_lse = s_do + STAGES * STile::BYTES;   // as stored: natural log
+    const u32 s_delta = s_lse + STAGES * STEP * 4;
+    const u32 bars = s_delta + STAGES * STEP * 4;
+    const u32 kv_full = bars;   // K and V landed
+    auto step_full = [&](int s) { return bars + 8u * u32(1 + s); };
+    auto step_empty = [&](int s) { return bars + 8u * u32(1 + STAGES + s); };
+    if (threadIdx.x == 0) {
+        mbarrier_init(kv_full, Cfg::PRODUCER_THREADS);
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(step_full(s), Cfg::PRODUCER_THREADS);
+            mbarrier_init(step_empty(s), Cfg::CONSUMER_THREADS);
+        }
+    }
+    __syncthreads();
+
+    const Band band(p, w);
+    const int n_end = min(n0 + Cfg::RESIDENT, nk);
+    int mb_begin, mb_end;
+    query_blocks<STEP>(band, n0, n_end, nq, mb_begin, mb_end);
+    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
+
+    if (threadIdx.x < Cfg::PRODUCER_THREADS) {
+        registers_release<Cfg::PRODUCER_REGS>();
+        if (steps.count) {
+            index_t q_off, k_off, v_off;
+            p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
+            const index_t key0 = w.k0 + n0;
+            load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(
+                s_k, static_cast<const Storage*>(p.k) + k_off + key0 * p.k_row_stride, p.k_row_stride, nk - n0, d);
+            load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(
+                s_v, static_cast<const Storage*>(p.v) + v_off + key0 * p.v_row_stride, p.v_row_stride, nk - n0, dv);
+            mbarrier_arrive_after_copies(kv_full);
+            const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;   // + QuerySteps' q_off
+            const Storage* g_do = static_cast<const Storage*>(p.dout);        // + QuerySteps' row * dv
+            auto at = steps.first();
+            for (int j = 0; j < steps.count; ++j) {
+                const Slot slot{u32(j)};
+                mbarrier_wait(step_empty(slot.stage), slot.parity ^ 1u);
+                const int rows = nq - at.m0;
+                const index_t row = steps.row(at);
+                load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_q + slot.stage * STile::BYTES,
+                                                                    g_q + steps.q_offset(at), p.q_row_stride, rows, d);
+                load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_do + slot.stage * STile::BYTES,
+                                                                    g_do + row * p.dv, p.dv, rows, dv);
+                // rows past nq read lse = delta = 0: their q and dout are 0, so are their p dout and ds
+                if (threadIdx.x < STEP) {
+                    const bool inside = int(threadIdx.x) < rows;
+                    const u32 at_row = u32(slot.stage * STEP + threadIdx.x) * 4u;
+                    cp_async_4(s_lse + at_row, p.lse + (inside ? row + threadIdx.x : 0), inside);
+                    cp_async_4(s_delta + at_row, p.delta + (inside ? row + threadIdx.x : 0), inside);
+                }
+                mbarrier_arrive_after_copies(step_full(slot.stage));
+                steps.advance(at);
+            }
+        }
+        cp_async_wait<0>();   // no copy outlives its thread
+        return;
+    }
+
+    registers_claim<Cfg::CONSUMER_REGS>();
+    const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
+    const int group_row0 = consumer * 64;                                  // this warpgroup's keys
+    const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
+    const int t = threadIdx.x % 4;
+    const float* lse_rows = reinterpret_cast<const float*>(smem + (s_lse - smem_address(smem)));
+    const float* delta_rows = reinterpret_cast<const float*>(smem + (s_delta - smem_address(smem)));
+    const float scale_log2 = float(p.scale_log2);
+
+    float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
+    fill_zero(acc_dk);
+    fill_zero(acc_dv);
+    if (steps.count) {
+        mbarrier_wait(kv_full, 0);
+    }
+    int mb = steps.mb_begin;   // the query block of step j
+    for (int j = 0; j < steps.count; ++j) {
+        const Slot slot{u32(j)};
+        mbarrier_wait(step_full(slot.stage), slot.parity);
+        fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
+        const u32 q_st = s_q + slot.stage * STile::BYTES, do_st = s_do + slot.stage * STile::BYTES;
+        const float* lse = lse_rows + slot.stage * STEP;
+        const float* delta = delta_rows + slot.stage * STEP;
+        const int m0 = mb * STEP;
+        mb = steps.next_block(mb);
+
+        // s^T = k q^T and dp^T = v dout^T (rows: this warpgroup's keys; columns: the step's queries)
+        float st[1][S_TILES][4], dpt[1][S_TILES][4];
+        wgmma_fence();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(st[0], s_k + group_row0 * 128, q_st);
+        wgmma_commit();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dpt[0], s_v + group_row0 * 128, do_st);
+        wgmma_commit();
+        wgmma_wait<1>();
+        pin_registers(st);
+
+        // p^T, 0 where masked; dv += p^T dout, running while ds^T is formed
+        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
+            apply_band<true>(st, band, n0 + warp_row0, m0);
+            probabilities_by_col<T, true, S_TILES, true>(st, scale_log2, lse);
+        } else {
+            probabilities_by_col<T, false, S_TILES, true>(st, scale_log2, lse);
+        }
+        u32 pa[S_TILES / 2][4], dsa[S_TILES / 2][4];
+        to_a_fragments<T>(pa, st);
+        pin_registers(acc_dv);
+        pin_registers(pa);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dv[0], pa, do_st);
+        wgmma_commit();
+        wgmma_wait<1>();
+        pin_registers(dpt);
+
+        // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+        to_a_fragments<T>(dsa, dpt);
+        pin_registers(acc_dk);
+        pin_registers(dsa);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dk[0], dsa, q_st);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_dv);
+        pin_registers(acc_dk);
+        mbarrier_arrive(step_empty(slot.stage));   // this warpgroup's last read of the stage is done
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
+    Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
+    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
+    store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, 0, d);
+    store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, 0, dv);
+}
+
+// dq for 128 queries of one sequence of one batch entry, over the key blocks of STEP
+// that they see: Q and dO resident, K and V streaming. As attn_bwd_dq_sm90, it also
+// computes delta = rowsum(dout * out) of its rows and stores it for the dk/dv pass.
+template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
+__global__ void __launch_bounds__(384, 1)
+attn_bwd_dq_sm90_ws(const BwdParams p) {
+    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, STEP, STAGES, false>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    using Slot = RingSlot<STAGES>;
+    constexpr int S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
+    Work w;
+    if (!p.template find_work<PACKED>(u32(p.num_m_blocks), true, w)) return;
+    const int m0 = w.block * Cfg::RESIDENT;
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
+    const index_t row0 = index_t(w.entry) * p.nq + w.q0 + m0;   // flat row of m0 in dout, lse, delta, dq
+
+    // [Q][dO][K x STAGES][V x STAGES][barriers]
+    const u32 s_q = (smem_address(smem) + 1023u) & ~1023u;
+    const u32 s_do = s_q + RTile::BYTES;
+    const u32 s_k = s_do + RTile::BYTES;
+    const u32 s_v = s_k + STAGES * STile::BYTES;
+    const u32 bars = s_v + STAGES * STile::BYTES;
+    const u32 qdo_full = bars;   // Q and dO landed
+    auto step_full = [&](int s) { return bars + 8u * u32(1 + s); };
+    auto step_empty = [&](int s) { return bars + 8u * u32(1 + STAGES + s); };
+    if (threadIdx.x == 0) {
+        mbarrier_init(qdo_full, Cfg::PRODUCER_THREADS);
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(step_full(s), Cfg::PRODUCER_THREADS);
+            mbarrier_init(step_empty(s), Cfg::CONSUMER_THREADS);
+        }
+    }
+    __syncthreads();
+
+    const Band band(p, w);
+    const int m_end = min(m0 + Cfg::RESIDENT, nq);
+    int n_lo, n_hi;
+    band.key_range(m0, m_end, n_lo, n_hi);
+    const int nb_begin = n_lo / STEP;
+    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, STEP) : nb_begin;
+
+    if (threadIdx.x < Cfg::PRODUCER_THREADS) {
+        registers_release<Cfg::PRODUCER_REGS>();
+        if (nb_begin < nb_end) {
+            index_t q_off, k_off, v_off;
+            p.batch_offsets(w.entry, q_off, k_off, v_off);
+            load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(
+                s_q, static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride, p.q_row_stride,
+                nq - m0, d);
+            load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(s_do, static_cast<const Storage*>(p.dout) + row0 * p.dv,
+                                                                p.dv, nq - m0, dv);
+            mbarrier_arrive_after_copies(qdo_full);
+            const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(w.k0) * p.k_row_stride;
+            const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(w.k0) * p.v_row_stride;
+            for (int nb = nb_begin; nb < nb_end; ++nb) {
+                const Slot slot{u32(nb - nb_begin)};
+                const int n0 = nb * STEP;
+                mbarrier_wait(step_empty(slot.stage), slot.parity ^ 1u);
+                load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_k + slot.stage * STile::BYTES,
+                                                                    g_k + index_t(n0) * p.k_row_stride, p.k_row_stride,
+                                                                    nk - n0, d);
+                load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_v + slot.stage * STile::BYTES,
+                                                                    g_v + index_t(n0) * p.v_row_stride, p.v_row_stride,
+                                                                    nk - n0, dv);
+                mbarrier_arrive_after_copies(step_full(slot.stage));
+            }
+        }
+        cp_async_wait<0>();   // no copy outlives its thread
+        return;
+    }
+
+    registers_claim<Cfg::CONSUMER_REGS>();
+    const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
+    const int group_row0 = consumer * 64;                                  // this warpgroup's queries
+    const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
+    const int g = (threadIdx.x % 32) / 4;
+    const float scale_log2 = float(p.scale_log2);
+
+    // lse2 and delta of the two rows each thread owns, while the first steps load; every
+    // row gets its delta, also one that sees no key (the dk/dv pass multiplies it by p = 0)
+    float lse2[2], delta[2];
+    row_deltas<T>(p, row0 + warp_row0, nq - m0 - warp_row0, true, delta);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lse2[h] = lse_log2(p.lse + row0, warp_row0 + g + 8 * h, nq - m0);
+
+    float acc_dq[1][D_TILES][4];
+    fill_zero(acc_dq);
+    if (nb_begin < nb_end) mbarrier_wait(qdo_full, 0);
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+        const Slot slot{u32(nb - nb_begin)};
+        mbarrier_wait(step_full(slot.stage), slot.parity);
+        fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
+        const u32 k_st = s_k + slot.stage * STile::BYTES, v_st = s_v + slot.stage * STile::BYTES;
+        const int n0 = nb * STEP;
+
+        // s = q k^T and dp = dout v^T
+        float s[1][S_TILES][4], dp[1][S_TILES][4];
+        wgmma_fence();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], s_q + group_row0 * 128, k_st);
+        wgmma_commit();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dp[0], s_do + group_row0 * 128, v_st);
+        wgmma_commit();
+        wgmma_wait<1>();
+        pin_registers(s);
+
+        // p = exp2(s * scale_log2 - lse2), while dp finishes
+        if (band.cuts(m0, m_end, n0, n0 + STEP)) {
+            apply_band(s, band, m0 + warp_row0, n0);
+            probabilities_by_row<T, true>(s, scale_log2, lse2);
+        } else {
+            probabilities_by_row<T, false>(s, scale_log2, lse2);
+        }
+        wgmma_wait<0>();
+        pin_registers(dp);
+
+        // ds = p (dp - delta); dq += ds k (scaled at the end)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
+        u32 dsa[S_TILES / 2][4];
+        to_a_fragments<T>(dsa, dp);
+        pin_registers(acc_dq);
+        pin_registers(dsa);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dq[0], dsa, k_st);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_dq);
+        mbarrier_arrive(step_empty(slot.stage));   // this warpgroup's last read of the stage is done
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    Storage* g_dq = static_cast<Storage*>(p.dq) + row0 * p.d;
+    store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, 0, d);
+}
+
+}  // namespace cuflash
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
