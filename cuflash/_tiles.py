@@ -291,10 +291,8 @@ class Sm90BwdTiles:
         return 1 if self.dkdv_ws_stages else self.min_blocks
 
     def dkdv_smem_bytes(self, itemsize: int) -> int:
-        if self.dkdv_ws_stages:
-            # tile_config.cuh: Sm90WsBwdConfig::SMEM_BYTES (128 keys, steps of 64, 1 + 2 STAGES barriers)
-            stages = self.dkdv_ws_stages
-            return 1024 + (2 * 128 + 2 * stages * 64) * self.head_dim * itemsize + 2 * stages * 64 * 4 + 8 * (1 + 2 * stages)
+        if self.dkdv_ws_stages:   # steps of 64 queries with their lse and delta
+            return self._ws_smem_bytes(64, self.dkdv_ws_stages, itemsize, row_stats=True)
         if not self.wide_dkdv:
             return self._smem_bytes(self.resident, self.step, self.stages, itemsize)
         # one warpgroup's rows, plus one step of p^T as float32
@@ -303,10 +301,13 @@ class Sm90BwdTiles:
     def smem_bytes(self, itemsize: int) -> int:
         """Shared memory of the dq pass."""
         if self.dq_ws_stages:
-            # tile_config.cuh: Sm90WsBwdConfig::SMEM_BYTES without row stats
-            step, stages = self.dq_pipeline
-            return 1024 + (2 * 128 + 2 * stages * step) * self.head_dim * itemsize + 8 * (1 + 2 * stages)
+            return self._ws_smem_bytes(*self.dq_pipeline, itemsize, row_stats=False)
         return self._smem_bytes(self.resident, *self.dq_pipeline, itemsize)
+
+    def _ws_smem_bytes(self, step: int, stages: int, itemsize: int, row_stats: bool) -> int:
+        # tile_config.cuh: Sm90WsBwdConfig::SMEM_BYTES (128 resident rows, 1 + 2 STAGES barriers)
+        tiles = (2 * 128 + 2 * stages * step) * self.head_dim * itemsize
+        return 1024 + tiles + (2 * stages * step * 4 if row_stats else 0) + 8 * (1 + 2 * stages)
 
     def _smem_bytes(self, resident: int, step: int, stages: int, itemsize: int) -> int:
         # tile_config.cuh: Sm90BwdConfig::SMEM_BYTES
@@ -318,14 +319,16 @@ class Sm90BwdTiles:
 SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 
 
-def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: int = SM90_WS_BWD_MIN_QUERIES_D64) -> Sm90BwdTiles | None:
+def sm90_bwd_tiles(dtype_name: str, head_dim: int,
+                   queries: int = SM90_WS_BWD_MIN_QUERIES_D64) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket, query rows), or None (as
     sm90_fwd_tiles).
 
     At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
-    two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 64 and
-    128 dk/dv runs on a loading warpgroup (bench/NOTES.md v18: 1.03-1.12x at head dim
-    128; at 64 from 2048 queries, below which its fewer, longer blocks lose)."""
+    two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128
+    both passes run on a loading warpgroup (bench/NOTES.md v18: 1.08-1.19x the
+    backward); at 64 the dk/dv pass does from 2048 queries (1.01-1.10x; below, its
+    fewer and longer blocks lose, and the dq pass on one gains nothing)."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
     if head_dim == 256:
@@ -338,8 +341,9 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: int = SM90_WS_BWD_MI
         ws = 4 if queries >= SM90_WS_BWD_MIN_QUERIES_D64 else 0
         return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
                             dkdv_ws_stages=ws)
-    # three stages spill at head dim 128
-    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2)
+    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90)
+    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2,
+                        dq_ws_stages=2)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -> tuple[str, str]:
