@@ -131,7 +131,7 @@ def test_backward_is_deterministic():
         ((1, 2, 1000), (1, 2, 777), {"causal": True}),        # key blocks no row sees
         ((2, 1, 513), (2, 1, 1500), {"window": (100, 50)}),   # few query blocks per key block
         ((2, 1, 4, 400), (2, 1, 1, 400), {}),                 # grouped queries: steps across the group
-        ((1, 2, 256), (3, 2, 256), {"window": (None, 0)}),    # q broadcast along the batch
+        ((3, 2, 256), (1, 2, 256), {"window": (None, 0)}),    # k and v broadcast along the batch
     ],
 )
 def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, q_shape, k_shape, mask):
