@@ -82,15 +82,6 @@ __device__ __forceinline__ void store_rows(typename T::storage* g, const float (
     }
 }
 
-// The query blocks of STEP rows that see key rows [n0, n_end): [begin, end).
-template <int STEP>
-__device__ __forceinline__ void query_blocks(const Band& band, int n0, int n_end, int nq, int& begin, int& end) {
-    int lo, hi;
-    band.row_range(n0, n_end, nq, lo, hi);
-    begin = lo / STEP;
-    end = hi > lo ? ceil_div(hi, STEP) : begin;
-}
-
 // The query side of a dk/dv block: the blocks of STEP query rows that see its keys,
 // for each member of its K/V entry's query group in turn (one member unless the
 // pass groups: native grouped-query attention), so that dk and dv sum over the
@@ -177,7 +168,7 @@ attn_bwd_dkdv(const BwdParams p) {
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int mb_begin, mb_end;
-    query_blocks<STEP>(band, n0, n_end, nq, mb_begin, mb_end);
+    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
     const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
 
     auto load_step = [&](int j, int stage) {
@@ -303,10 +294,8 @@ attn_bwd_dq(const BwdParams p) {
 
     const Band band(p, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
-    int n_lo, n_hi;
-    band.key_range(m0, m_end, n_lo, n_hi);
-    const int nb_begin = n_lo / STEP;
-    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, STEP) : nb_begin;
+    int nb_begin, nb_end;
+    band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
 
     auto load_step = [&](int nb, int stage) {
         const int n0 = nb * STEP;

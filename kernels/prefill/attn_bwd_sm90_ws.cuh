@@ -14,6 +14,27 @@
 
 namespace cuflash {
 
+// A pass's barriers, after its buffers: its resident tiles' "full", then per stage a
+// step's "full" (its copies landed: one arrival per loading thread) and "empty" (both
+// computing warpgroups are done with it). init: by thread 0 before the block syncs.
+template <int STAGES, int PRODUCERS, int CONSUMERS>
+struct StepRing {
+    u32 base;
+    __device__ __forceinline__ u32 resident_full() const { return base; }
+    __device__ __forceinline__ u32 full(int s) const { return base + 8u * u32(1 + s); }
+    __device__ __forceinline__ u32 empty(int s) const { return base + 8u * u32(1 + STAGES + s); }
+    __device__ __forceinline__ void init() const {
+        if (threadIdx.x == 0) {
+            mbarrier_init(resident_full(), PRODUCERS);
+            for (int s = 0; s < STAGES; ++s) {
+                mbarrier_init(full(s), PRODUCERS);
+                mbarrier_init(empty(s), CONSUMERS);
+            }
+        }
+        __syncthreads();
+    }
+};
+
 template <class T, int HEAD_DIM, int STAGES, bool PACKED>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_sm90_ws(const BwdParams p) {
@@ -38,23 +59,13 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     const u32 s_do = s_q + STAGES * STile::BYTES;
     const u32 s_lse = s_do + STAGES * STile::BYTES;   // as stored: natural log
     const u32 s_delta = s_lse + STAGES * STEP * 4;
-    const u32 bars = s_delta + STAGES * STEP * 4;
-    const u32 kv_full = bars;   // K and V landed
-    auto step_full = [&](int s) { return bars + 8u * u32(1 + s); };
-    auto step_empty = [&](int s) { return bars + 8u * u32(1 + STAGES + s); };
-    if (threadIdx.x == 0) {
-        mbarrier_init(kv_full, Cfg::PRODUCER_THREADS);
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(step_full(s), Cfg::PRODUCER_THREADS);
-            mbarrier_init(step_empty(s), Cfg::CONSUMER_THREADS);
-        }
-    }
-    __syncthreads();
+    const StepRing<STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring{s_delta + STAGES * STEP * 4};
+    ring.init();   // resident_full: K and V landed
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int mb_begin, mb_end;
-    query_blocks<STEP>(band, n0, n_end, nq, mb_begin, mb_end);
+    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
     const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
 
     if (threadIdx.x < Cfg::PRODUCER_THREADS) {
@@ -67,13 +78,13 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
                 s_k, static_cast<const Storage*>(p.k) + k_off + key0 * p.k_row_stride, p.k_row_stride, nk - n0, d);
             load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(
                 s_v, static_cast<const Storage*>(p.v) + v_off + key0 * p.v_row_stride, p.v_row_stride, nk - n0, dv);
-            mbarrier_arrive_after_copies(kv_full);
+            mbarrier_arrive_after_copies(ring.resident_full());
             const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;   // + QuerySteps' q_off
             const Storage* g_do = static_cast<const Storage*>(p.dout);        // + QuerySteps' row * dv
             auto at = steps.first();
             for (int j = 0; j < steps.count; ++j) {
                 const Slot slot{u32(j)};
-                mbarrier_wait(step_empty(slot.stage), slot.parity ^ 1u);
+                mbarrier_wait(ring.empty(slot.stage), slot.parity ^ 1u);
                 const int rows = nq - at.m0;
                 const index_t row = steps.row(at);
                 load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_q + slot.stage * STile::BYTES,
@@ -87,7 +98,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
                     cp_async_4(s_lse + at_row, p.lse + (inside ? row + threadIdx.x : 0), inside);
                     cp_async_4(s_delta + at_row, p.delta + (inside ? row + threadIdx.x : 0), inside);
                 }
-                mbarrier_arrive_after_copies(step_full(slot.stage));
+                mbarrier_arrive_after_copies(ring.full(slot.stage));
                 steps.advance(at);
             }
         }
@@ -99,7 +110,6 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
     const int group_row0 = consumer * 64;                                  // this warpgroup's keys
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
-    const int t = threadIdx.x % 4;
     const float* lse_rows = reinterpret_cast<const float*>(smem + (s_lse - smem_address(smem)));
     const float* delta_rows = reinterpret_cast<const float*>(smem + (s_delta - smem_address(smem)));
     const float scale_log2 = float(p.scale_log2);
@@ -108,12 +118,12 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     fill_zero(acc_dk);
     fill_zero(acc_dv);
     if (steps.count) {
-        mbarrier_wait(kv_full, 0);
+        mbarrier_wait(ring.resident_full(), 0);
     }
     int mb = steps.mb_begin;   // the query block of step j
     for (int j = 0; j < steps.count; ++j) {
         const Slot slot{u32(j)};
-        mbarrier_wait(step_full(slot.stage), slot.parity);
+        mbarrier_wait(ring.full(slot.stage), slot.parity);
         fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
         const u32 q_st = s_q + slot.stage * STile::BYTES, do_st = s_do + slot.stage * STile::BYTES;
         const float* lse = lse_rows + slot.stage * STEP;
@@ -123,21 +133,13 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
 
         // s^T = k q^T and dp^T = v dout^T (rows: this warpgroup's keys; columns: the step's queries)
         float st[1][S_TILES][4], dpt[1][S_TILES][4];
-        wgmma_fence();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(st[0], s_k + group_row0 * 128, q_st);
-        wgmma_commit();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dpt[0], s_v + group_row0 * 128, do_st);
-        wgmma_commit();
+        issue_score_products<T, RTile, STile, HEAD_DIM, STEP>(st, dpt, s_k + group_row0 * 128, q_st,
+                                                             s_v + group_row0 * 128, do_st);
         wgmma_wait<1>();
         pin_registers(st);
 
         // p^T, 0 where masked; dv += p^T dout, running while ds^T is formed
-        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
-            apply_band<true>(st, band, n0 + warp_row0, m0);
-            probabilities_by_col<T, true, S_TILES, true>(st, scale_log2, lse);
-        } else {
-            probabilities_by_col<T, false, S_TILES, true>(st, scale_log2, lse);
-        }
+        transposed_probabilities<T, true>(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse);
         u32 pa[S_TILES / 2][4], dsa[S_TILES / 2][4];
         to_a_fragments<T>(pa, st);
         pin_registers(acc_dv);
@@ -149,10 +151,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         pin_registers(dpt);
 
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+        transposed_ds(dpt, st, delta);
         to_a_fragments<T>(dsa, dpt);
         pin_registers(acc_dk);
         pin_registers(dsa);
@@ -162,7 +161,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         wgmma_wait<0>();
         pin_registers(acc_dv);
         pin_registers(acc_dk);
-        mbarrier_arrive(step_empty(slot.stage));   // this warpgroup's last read of the stage is done
+        mbarrier_arrive(ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
@@ -199,25 +198,13 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
     const u32 s_do = s_q + RTile::BYTES;
     const u32 s_k = s_do + RTile::BYTES;
     const u32 s_v = s_k + STAGES * STile::BYTES;
-    const u32 bars = s_v + STAGES * STile::BYTES;
-    const u32 qdo_full = bars;   // Q and dO landed
-    auto step_full = [&](int s) { return bars + 8u * u32(1 + s); };
-    auto step_empty = [&](int s) { return bars + 8u * u32(1 + STAGES + s); };
-    if (threadIdx.x == 0) {
-        mbarrier_init(qdo_full, Cfg::PRODUCER_THREADS);
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(step_full(s), Cfg::PRODUCER_THREADS);
-            mbarrier_init(step_empty(s), Cfg::CONSUMER_THREADS);
-        }
-    }
-    __syncthreads();
+    const StepRing<STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring{s_v + STAGES * STile::BYTES};
+    ring.init();   // resident_full: Q and dO landed
 
     const Band band(p, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
-    int n_lo, n_hi;
-    band.key_range(m0, m_end, n_lo, n_hi);
-    const int nb_begin = n_lo / STEP;
-    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, STEP) : nb_begin;
+    int nb_begin, nb_end;
+    band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
 
     if (threadIdx.x < Cfg::PRODUCER_THREADS) {
         registers_release<Cfg::PRODUCER_REGS>();
@@ -229,20 +216,20 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
                 nq - m0, d);
             load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(s_do, static_cast<const Storage*>(p.dout) + row0 * p.dv,
                                                                 p.dv, nq - m0, dv);
-            mbarrier_arrive_after_copies(qdo_full);
+            mbarrier_arrive_after_copies(ring.resident_full());
             const Storage* g_k = static_cast<const Storage*>(p.k) + k_off + index_t(w.k0) * p.k_row_stride;
             const Storage* g_v = static_cast<const Storage*>(p.v) + v_off + index_t(w.k0) * p.v_row_stride;
             for (int nb = nb_begin; nb < nb_end; ++nb) {
                 const Slot slot{u32(nb - nb_begin)};
                 const int n0 = nb * STEP;
-                mbarrier_wait(step_empty(slot.stage), slot.parity ^ 1u);
+                mbarrier_wait(ring.empty(slot.stage), slot.parity ^ 1u);
                 load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_k + slot.stage * STile::BYTES,
                                                                     g_k + index_t(n0) * p.k_row_stride, p.k_row_stride,
                                                                     nk - n0, d);
                 load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_v + slot.stage * STile::BYTES,
                                                                     g_v + index_t(n0) * p.v_row_stride, p.v_row_stride,
                                                                     nk - n0, dv);
-                mbarrier_arrive_after_copies(step_full(slot.stage));
+                mbarrier_arrive_after_copies(ring.full(slot.stage));
             }
         }
         cp_async_wait<0>();   // no copy outlives its thread
@@ -265,39 +252,28 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
 
     float acc_dq[1][D_TILES][4];
     fill_zero(acc_dq);
-    if (nb_begin < nb_end) mbarrier_wait(qdo_full, 0);
+    if (nb_begin < nb_end) mbarrier_wait(ring.resident_full(), 0);
     for (int nb = nb_begin; nb < nb_end; ++nb) {
         const Slot slot{u32(nb - nb_begin)};
-        mbarrier_wait(step_full(slot.stage), slot.parity);
+        mbarrier_wait(ring.full(slot.stage), slot.parity);
         fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
         const u32 k_st = s_k + slot.stage * STile::BYTES, v_st = s_v + slot.stage * STile::BYTES;
         const int n0 = nb * STEP;
 
         // s = q k^T and dp = dout v^T
         float s[1][S_TILES][4], dp[1][S_TILES][4];
-        wgmma_fence();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], s_q + group_row0 * 128, k_st);
-        wgmma_commit();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dp[0], s_do + group_row0 * 128, v_st);
-        wgmma_commit();
+        issue_score_products<T, RTile, STile, HEAD_DIM, STEP>(s, dp, s_q + group_row0 * 128, k_st,
+                                                             s_do + group_row0 * 128, v_st);
         wgmma_wait<1>();
         pin_registers(s);
 
         // p = exp2(s * scale_log2 - lse2), while dp finishes
-        if (band.cuts(m0, m_end, n0, n0 + STEP)) {
-            apply_band(s, band, m0 + warp_row0, n0);
-            probabilities_by_row<T, true>(s, scale_log2, lse2);
-        } else {
-            probabilities_by_row<T, false>(s, scale_log2, lse2);
-        }
+        row_probabilities<T>(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
         wgmma_wait<0>();
         pin_registers(dp);
 
         // ds = p (dp - delta); dq += ds k (scaled at the end)
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
+        row_ds(dp, s, delta);
         u32 dsa[S_TILES / 2][4];
         to_a_fragments<T>(dsa, dp);
         pin_registers(acc_dq);
@@ -307,7 +283,7 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(acc_dq);
-        mbarrier_arrive(step_empty(slot.stage));   // this warpgroup's last read of the stage is done
+        mbarrier_arrive(ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
