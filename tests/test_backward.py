@@ -122,8 +122,9 @@ def test_backward_is_deterministic():
         assert cupy.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
-@pytest.mark.parametrize("d, dkdv_stages, dq_stages", [(64, 2, 0), (64, 4, 3), (128, 2, 0), (128, 3, 2), (64, 0, 2),
-                                                       (128, 0, 3)])
+@pytest.mark.parametrize("d, dkdv_stages, dq_stages, dq_step", [(64, 2, 0, 0), (64, 4, 3, 0), (128, 2, 0, 0),
+                                                                (128, 3, 2, 0), (64, 0, 2, 0), (128, 0, 3, 0),
+                                                                (128, 2, 2, 128), (256, 0, 3, 0)])
 @pytest.mark.parametrize(
     "q_shape, k_shape, mask",
     [
@@ -134,17 +135,19 @@ def test_backward_is_deterministic():
         ((3, 2, 256), (1, 2, 256), {"window": (None, 0)}),    # k and v broadcast along the batch
     ],
 )
-def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, q_shape, k_shape, mask):
-    """attn_bwd_dkdv_sm90_ws and attn_bwd_dq_sm90_ws (0 stages: the other kernel) at the ring
-    depths bench/tune_tiles.py may time, also where the default does not pick them."""
+def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, dq_step, q_shape, k_shape, mask):
+    """attn_bwd_dkdv_sm90_ws and attn_bwd_dq_sm90_ws (0 stages: the other kernel; dq_step 0:
+    the tiles' own) at the ring depths and steps bench/tune_tiles.py may time, also where the
+    default does not pick them."""
     import dataclasses
 
     from cuflash import _compile, _dispatch, _plans
 
     if _compile.current_arch() != "sm_90a":
         pytest.skip("the loading-warpgroup dk/dv pass is Hopper's (sm_90a)")
-    tiles = dataclasses.replace(_dispatch.sm90_bwd_tiles("float16", d), dkdv_ws_stages=dkdv_stages,
-                                dq_ws_stages=dq_stages)
+    tiles = _dispatch.sm90_bwd_tiles("float16", d)
+    tiles = dataclasses.replace(tiles, dkdv_ws_stages=dkdv_stages, dq_ws_stages=dq_stages,
+                                dq_step=dq_step or tiles.dq_step)
     monkeypatch.setattr(_dispatch, "sm90_bwd_tiles", lambda *args: tiles)
     _plans.clear()
     try:
