@@ -142,7 +142,8 @@ def backward_launches(x) -> Launches:
     head_dim = head_dim_bucket(x.d, x.dv)
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     width = max(x.d, x.dv)
-    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim, x.nq) if _compile.current_arch() == "sm_90a" else None
+    queries = x.nq / x.packed.num_seqs if x.packed and x.packed.num_seqs else x.nq   # per sequence (the mean)
+    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim, queries) if _compile.current_arch() == "sm_90a" else None
     if sm90 is not None:
         dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None)
         dq_res, dkdv_res = sm90.dq_resident, sm90.dkdv_resident

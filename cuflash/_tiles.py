@@ -320,9 +320,9 @@ SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 
 
 def sm90_bwd_tiles(dtype_name: str, head_dim: int,
-                   queries: int = SM90_WS_BWD_MIN_QUERIES_D64) -> Sm90BwdTiles | None:
-    """The Hopper backward tiles for (dtype, head-dim bucket, query rows), or None (as
-    sm90_fwd_tiles).
+                   queries: float = SM90_WS_BWD_MIN_QUERIES_D64) -> Sm90BwdTiles | None:
+    """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
+    None (as sm90_fwd_tiles).
 
     At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
     two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128
