@@ -252,7 +252,8 @@ class Sm90BwdTiles:
     dq_step: int = 0
     dq_stages: int = 0
     # dk/dv by attn_bwd_dkdv_sm90_ws, a loading warpgroup and two computing ones (64
-    # keys each), with this many stages of queries in flight; 0: attn_bwd_dkdv_sm90
+    # keys each; with wide_dkdv attn_bwd_dkdv_wide_sm90_ws, both on the same 64), with
+    # this many stages of queries in flight; 0: the kernels without a loading warpgroup
     dkdv_ws_stages: int = 0
     # the same for the dq pass (attn_bwd_dq_sm90_ws: 128 queries, steps of the dq step)
     dq_ws_stages: int = 0
@@ -263,7 +264,7 @@ class Sm90BwdTiles:
 
     @property
     def dkdv_resident(self) -> int:
-        return 128 if self.dkdv_ws_stages else 64 if self.wide_dkdv else self.resident
+        return 64 if self.wide_dkdv else 128 if self.dkdv_ws_stages else self.resident
 
     @property
     def dq_resident(self) -> int:
@@ -291,8 +292,11 @@ class Sm90BwdTiles:
         return 1 if self.dkdv_ws_stages else self.min_blocks
 
     def dkdv_smem_bytes(self, itemsize: int) -> int:
+        if self.dkdv_ws_stages and self.wide_dkdv:   # 64 keys, and one step of p^T as float32
+            return (self._ws_smem_bytes(64, self.step, self.dkdv_ws_stages, itemsize, row_stats=True)
+                    + 64 * self.step * 4)
         if self.dkdv_ws_stages:   # steps of 64 queries with their lse and delta
-            return self._ws_smem_bytes(64, self.dkdv_ws_stages, itemsize, row_stats=True)
+            return self._ws_smem_bytes(128, 64, self.dkdv_ws_stages, itemsize, row_stats=True)
         if not self.wide_dkdv:
             return self._smem_bytes(self.resident, self.step, self.stages, itemsize)
         # one warpgroup's rows, plus one step of p^T as float32
@@ -301,12 +305,12 @@ class Sm90BwdTiles:
     def smem_bytes(self, itemsize: int) -> int:
         """Shared memory of the dq pass."""
         if self.dq_ws_stages:
-            return self._ws_smem_bytes(*self.dq_pipeline, itemsize, row_stats=False)
+            return self._ws_smem_bytes(128, *self.dq_pipeline, itemsize, row_stats=False)
         return self._smem_bytes(self.resident, *self.dq_pipeline, itemsize)
 
-    def _ws_smem_bytes(self, step: int, stages: int, itemsize: int, row_stats: bool) -> int:
-        # tile_config.cuh: Sm90WsBwdConfig::SMEM_BYTES (128 resident rows, 1 + 2 STAGES barriers)
-        tiles = (2 * 128 + 2 * stages * step) * self.head_dim * itemsize
+    def _ws_smem_bytes(self, resident: int, step: int, stages: int, itemsize: int, row_stats: bool) -> int:
+        # tile_config.cuh: Sm90WsBwdConfig::SMEM_BYTES (1 + 2 STAGES barriers)
+        tiles = (2 * resident + 2 * stages * step) * self.head_dim * itemsize
         return 1024 + tiles + (2 * stages * step * 4 if row_stats else 0) + 8 * (1 + 2 * stages)
 
     def _smem_bytes(self, resident: int, step: int, stages: int, itemsize: int) -> int:
@@ -351,7 +355,9 @@ def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
     flag = _flag(packed)
-    if t.wide_dkdv:
+    if t.wide_dkdv and t.dkdv_ws_stages:
+        dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90_ws<{elem}, {t.head_dim}, {t.step}, {t.dkdv_ws_stages}, {flag}>"
+    elif t.wide_dkdv:
         dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}, {flag}>"
     elif t.dkdv_ws_stages:
         dkdv = f"cuflash::attn_bwd_dkdv_sm90_ws<{elem}, {t.head_dim}, {t.dkdv_ws_stages}, {flag}>"

@@ -122,17 +122,18 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<40, 232> {
 };
 
 // Hopper backward passes with a loading warpgroup (attn_bwd_sm90_ws.cuh): warpgroup 0
-// copies, warpgroups 1 and 2 own 64 rows each of a 128-row resident block (keys for
-// dk/dv, queries for dq); the other side streams in steps of STEP rows through a
-// ring of STAGES, each stage guarded by a full and an empty mbarrier. ROW_STATS: each
-// stage also holds its query rows' lse and delta (the dk/dv pass). The D 128 dk/dv
-// pass needs 240 registers per computing thread (it spills at 216).
-template <class T, int HEAD_DIM_, int STEP_, int STAGES_, bool ROW_STATS>
+// copies, warpgroups 1 and 2 own a block of RESIDENT rows (keys for dk/dv, queries for
+// dq; 64 each of 128, or both the same 64 in the wide dk/dv pass); the other side
+// streams in steps of STEP rows through a ring of STAGES, each stage guarded by a full
+// and an empty mbarrier. ROW_STATS: each stage also holds its query rows' lse and
+// delta (the dk/dv passes). The D 128 dk/dv pass needs 240 registers per computing
+// thread (it spills at 216).
+template <class T, int HEAD_DIM_, int RESIDENT_, int STEP_, int STAGES_, bool ROW_STATS>
 struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24, 240> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int STEP = STEP_;
-    static constexpr int RESIDENT = 128;
+    static constexpr int RESIDENT = RESIDENT_;
     static constexpr int STAGES = STAGES_;
 
     using ResidentTile = PanelTile<Storage, RESIDENT, HEAD_DIM>;

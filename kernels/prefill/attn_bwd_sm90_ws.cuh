@@ -35,10 +35,67 @@ struct StepRing {
     }
 };
 
+// The shared memory of a dk/dv pass, from a 1024-byte boundary (swizzle atoms):
+// [K][V][Q x STAGES][dO x STAGES][lse x STAGES][delta x STAGES][barriers], lse as stored.
+template <class Cfg>
+struct DkdvSmem {
+    u32 k, v, q, dout, lse, delta;
+    StepRing<Cfg::STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring;
+
+    __device__ __forceinline__ explicit DkdvSmem(u32 base)
+        : k(base), v(k + Cfg::ResidentTile::BYTES), q(v + Cfg::ResidentTile::BYTES),
+          dout(q + Cfg::STAGES * Cfg::StepTile::BYTES), lse(dout + Cfg::STAGES * Cfg::StepTile::BYTES),
+          delta(lse + Cfg::STAGES * Cfg::STEP * 4), ring{delta + Cfg::STAGES * Cfg::STEP * 4} {}
+    __device__ __forceinline__ u32 end() const { return ring.base + 8u * u32(Cfg::BARRIERS); }
+};
+
+// The loading warpgroup of a dk/dv pass: K and V of the block's keys from n0 once, then
+// each step's Q, dO, lse and delta into the next stage once both computing warpgroups
+// are done with it. Rows past nq read zeros, lse and delta too: their q and dout are 0,
+// so are their p dout and ds.
+template <class Cfg>
+__device__ __forceinline__ void load_dkdv_steps(const BwdParams& p, const Work& w, const QuerySteps<Cfg::STEP>& steps,
+                                                const DkdvSmem<Cfg>& s, int n0) {
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    using Slot = RingSlot<Cfg::STAGES>;
+    constexpr int LOADERS = Cfg::PRODUCER_THREADS, STEP = Cfg::STEP;
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
+    index_t q_off, k_off, v_off;
+    p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
+    const index_t key0 = w.k0 + n0;
+    load_tile_async<RTile, LOADERS, true>(s.k, static_cast<const Storage*>(p.k) + k_off + key0 * p.k_row_stride,
+                                          p.k_row_stride, nk - n0, d);
+    load_tile_async<RTile, LOADERS, true>(s.v, static_cast<const Storage*>(p.v) + v_off + key0 * p.v_row_stride,
+                                          p.v_row_stride, nk - n0, dv);
+    mbarrier_arrive_after_copies(s.ring.resident_full());
+    const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;   // + QuerySteps' q_off
+    const Storage* g_do = static_cast<const Storage*>(p.dout);        // + QuerySteps' row * dv
+    auto at = steps.first();
+    for (int j = 0; j < steps.count; ++j) {
+        const Slot slot{u32(j)};
+        mbarrier_wait(s.ring.empty(slot.stage), slot.parity ^ 1u);
+        const int rows = nq - at.m0;
+        const index_t row = steps.row(at);
+        load_tile_async<STile, LOADERS, true>(s.q + slot.stage * STile::BYTES, g_q + steps.q_offset(at), p.q_row_stride,
+                                              rows, d);
+        load_tile_async<STile, LOADERS, true>(s.dout + slot.stage * STile::BYTES, g_do + row * p.dv, p.dv, rows, dv);
+        if (threadIdx.x < STEP) {
+            const bool inside = int(threadIdx.x) < rows;
+            const u32 at_row = u32(slot.stage * STEP + threadIdx.x) * 4u;
+            cp_async_4(s.lse + at_row, p.lse + (inside ? row + threadIdx.x : 0), inside);
+            cp_async_4(s.delta + at_row, p.delta + (inside ? row + threadIdx.x : 0), inside);
+        }
+        mbarrier_arrive_after_copies(s.ring.full(slot.stage));
+        steps.advance(at);
+    }
+}
+
 template <class T, int HEAD_DIM, int STAGES, bool PACKED>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_sm90_ws(const BwdParams p) {
-    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 64, STAGES, true>;
+    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, 64, STAGES, true>;
     using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
@@ -51,16 +108,8 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
     const int n0 = w.block * Cfg::RESIDENT;
     const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
-
-    // [K][V][Q x STAGES][dO x STAGES][lse x STAGES][delta x STAGES][barriers]
-    const u32 s_k = (smem_address(smem) + 1023u) & ~1023u;
-    const u32 s_v = s_k + RTile::BYTES;
-    const u32 s_q = s_v + RTile::BYTES;
-    const u32 s_do = s_q + STAGES * STile::BYTES;
-    const u32 s_lse = s_do + STAGES * STile::BYTES;   // as stored: natural log
-    const u32 s_delta = s_lse + STAGES * STEP * 4;
-    const StepRing<STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring{s_delta + STAGES * STEP * 4};
-    ring.init();   // resident_full: K and V landed
+    const DkdvSmem<Cfg> buf((smem_address(smem) + 1023u) & ~1023u);
+    buf.ring.init();   // resident_full: K and V landed
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
@@ -70,38 +119,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
 
     if (threadIdx.x < Cfg::PRODUCER_THREADS) {
         registers_release<Cfg::PRODUCER_REGS>();
-        if (steps.count) {
-            index_t q_off, k_off, v_off;
-            p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
-            const index_t key0 = w.k0 + n0;
-            load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(
-                s_k, static_cast<const Storage*>(p.k) + k_off + key0 * p.k_row_stride, p.k_row_stride, nk - n0, d);
-            load_tile_async<RTile, Cfg::PRODUCER_THREADS, true>(
-                s_v, static_cast<const Storage*>(p.v) + v_off + key0 * p.v_row_stride, p.v_row_stride, nk - n0, dv);
-            mbarrier_arrive_after_copies(ring.resident_full());
-            const Storage* g_q = static_cast<const Storage*>(p.q) + q_off;   // + QuerySteps' q_off
-            const Storage* g_do = static_cast<const Storage*>(p.dout);        // + QuerySteps' row * dv
-            auto at = steps.first();
-            for (int j = 0; j < steps.count; ++j) {
-                const Slot slot{u32(j)};
-                mbarrier_wait(ring.empty(slot.stage), slot.parity ^ 1u);
-                const int rows = nq - at.m0;
-                const index_t row = steps.row(at);
-                load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_q + slot.stage * STile::BYTES,
-                                                                    g_q + steps.q_offset(at), p.q_row_stride, rows, d);
-                load_tile_async<STile, Cfg::PRODUCER_THREADS, true>(s_do + slot.stage * STile::BYTES,
-                                                                    g_do + row * p.dv, p.dv, rows, dv);
-                // rows past nq read lse = delta = 0: their q and dout are 0, so are their p dout and ds
-                if (threadIdx.x < STEP) {
-                    const bool inside = int(threadIdx.x) < rows;
-                    const u32 at_row = u32(slot.stage * STEP + threadIdx.x) * 4u;
-                    cp_async_4(s_lse + at_row, p.lse + (inside ? row + threadIdx.x : 0), inside);
-                    cp_async_4(s_delta + at_row, p.delta + (inside ? row + threadIdx.x : 0), inside);
-                }
-                mbarrier_arrive_after_copies(ring.full(slot.stage));
-                steps.advance(at);
-            }
-        }
+        if (steps.count) load_dkdv_steps<Cfg>(p, w, steps, buf, n0);
         cp_async_wait<0>();   // no copy outlives its thread
         return;
     }
@@ -110,22 +128,22 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
     const int group_row0 = consumer * 64;                                  // this warpgroup's keys
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
-    const float* lse_rows = reinterpret_cast<const float*>(smem + (s_lse - smem_address(smem)));
-    const float* delta_rows = reinterpret_cast<const float*>(smem + (s_delta - smem_address(smem)));
+    const float* lse_rows = reinterpret_cast<const float*>(smem + (buf.lse - smem_address(smem)));
+    const float* delta_rows = reinterpret_cast<const float*>(smem + (buf.delta - smem_address(smem)));
     const float scale_log2 = float(p.scale_log2);
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
     fill_zero(acc_dk);
     fill_zero(acc_dv);
     if (steps.count) {
-        mbarrier_wait(ring.resident_full(), 0);
+        mbarrier_wait(buf.ring.resident_full(), 0);
     }
     int mb = steps.mb_begin;   // the query block of step j
     for (int j = 0; j < steps.count; ++j) {
         const Slot slot{u32(j)};
-        mbarrier_wait(ring.full(slot.stage), slot.parity);
+        mbarrier_wait(buf.ring.full(slot.stage), slot.parity);
         fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
-        const u32 q_st = s_q + slot.stage * STile::BYTES, do_st = s_do + slot.stage * STile::BYTES;
+        const u32 q_st = buf.q + slot.stage * STile::BYTES, do_st = buf.dout + slot.stage * STile::BYTES;
         const float* lse = lse_rows + slot.stage * STEP;
         const float* delta = delta_rows + slot.stage * STEP;
         const int m0 = mb * STEP;
@@ -133,8 +151,8 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
 
         // s^T = k q^T and dp^T = v dout^T (rows: this warpgroup's keys; columns: the step's queries)
         float st[1][S_TILES][4], dpt[1][S_TILES][4];
-        issue_score_products<T, RTile, STile, HEAD_DIM, STEP>(st, dpt, s_k + group_row0 * 128, q_st,
-                                                             s_v + group_row0 * 128, do_st);
+        issue_score_products<T, RTile, STile, HEAD_DIM, STEP>(st, dpt, buf.k + group_row0 * 128, q_st,
+                                                             buf.v + group_row0 * 128, do_st);
         wgmma_wait<1>();
         pin_registers(st);
 
@@ -161,7 +179,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         wgmma_wait<0>();
         pin_registers(acc_dv);
         pin_registers(acc_dk);
-        mbarrier_arrive(ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
+        mbarrier_arrive(buf.ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
     }
 
     const float scale = float(p.scale_log2) / LOG2E;
@@ -172,13 +190,127 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, 0, dv);
 }
 
+// attn_bwd_dkdv_wide_sm90 (head dim 256: both computing warpgroups own the same 64
+// keys, warpgroup 1 forms p^T and accumulates dv, warpgroup 2 forms dp^T and
+// accumulates dk) with its loads on warpgroup 0. p^T goes from the first to the second
+// through one buffer: named barrier 1 says it is written, 2 that it has been read.
+template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
+__global__ void __launch_bounds__(384, 1)
+attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
+    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 64, STEP, STAGES, true>;
+    using Storage = typename Cfg::Storage;
+    using RTile = typename Cfg::ResidentTile;
+    using STile = typename Cfg::StepTile;
+    using Slot = RingSlot<STAGES>;
+    constexpr int S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
+    constexpr int EXCHANGE_FLOATS = 64 * STEP;   // one step's p^T, in fragment order
+    constexpr u32 PAIR = Cfg::CONSUMER_THREADS;   // both computing warpgroups at a named barrier
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES + 4 * EXCHANGE_FLOATS)) __trap();   // launch/config mismatch
+    Work w;
+    if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
+    const int n0 = w.block * Cfg::RESIDENT;
+    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
+    const DkdvSmem<Cfg> buf((smem_address(smem) + 1023u) & ~1023u);   // then the p^T exchange
+    buf.ring.init();   // resident_full: K and V landed
+
+    const Band band(p, w);
+    const int n_end = min(n0 + Cfg::RESIDENT, nk);
+    int mb_begin, mb_end;
+    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
+    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
+
+    if (threadIdx.x < Cfg::PRODUCER_THREADS) {
+        registers_release<Cfg::PRODUCER_REGS>();
+        if (steps.count) load_dkdv_steps<Cfg>(p, w, steps, buf, n0);
+        cp_async_wait<0>();   // no copy outlives its thread
+        return;
+    }
+
+    registers_claim<Cfg::CONSUMER_REGS>();
+    const int consumer = int(threadIdx.x) / 128 - 1;   // 0: p^T and dv; 1: dp^T and dk
+    const int rank = threadIdx.x % 128, warp_row0 = (rank / 32) * 16, t = threadIdx.x % 4;
+    const float* lse_rows = reinterpret_cast<const float*>(smem + (buf.lse - smem_address(smem)));
+    const float* delta_rows = reinterpret_cast<const float*>(smem + (buf.delta - smem_address(smem)));
+    float* exchange = reinterpret_cast<float*>(smem + (buf.end() - smem_address(smem)));
+    const float scale_log2 = float(p.scale_log2);
+
+    float acc[1][D_TILES][4];   // dv in the first computing warpgroup, dk in the second
+    fill_zero(acc);
+    if (steps.count) {
+        mbarrier_wait(buf.ring.resident_full(), 0);
+    }
+    int mb = steps.mb_begin;   // the query block of step j
+    for (int j = 0; j < steps.count; ++j) {
+        const Slot slot{u32(j)};
+        mbarrier_wait(buf.ring.full(slot.stage), slot.parity);
+        fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
+        const u32 q_st = buf.q + slot.stage * STile::BYTES, do_st = buf.dout + slot.stage * STile::BYTES;
+        const int m0 = mb * STEP;
+        mb = steps.next_block(mb);
+
+        // s^T = k q^T in the first, dp^T = v dout^T in the second
+        float s[1][S_TILES][4];
+        wgmma_fence();
+        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], consumer == 0 ? buf.k : buf.v,
+                                                         consumer == 0 ? q_st : do_st);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(s);
+
+        if (consumer == 0) {
+            // p^T, 0 where masked, into the exchange once the second has read the last step's
+            transposed_probabilities<T, true>(s, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2,
+                                              lse_rows + slot.stage * STEP);
+            if (j > 0) named_barrier_sync<2, PAIR>();
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) exchange[(nt * 4 + e) * 128 + rank] = s[0][nt][e];
+            named_barrier_arrive<1, PAIR>();
+        } else {
+            // ds^T = p^T (dp^T - delta of each query column)
+            const float* delta = delta_rows + slot.stage * STEP;
+            named_barrier_sync<1, PAIR>();
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[0][nt][e] = exchange[(nt * 4 + e) * 128 + rank] * (s[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+            if (j + 1 < steps.count) named_barrier_arrive<2, PAIR>();
+        }
+
+        // dv += p^T dout in the first, dk += ds^T q in the second (scaled at the end)
+        u32 a[S_TILES / 2][4];
+        to_a_fragments<T>(a, s);
+        pin_registers(acc);
+        wgmma_fence();
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc[0], a, consumer == 0 ? do_st : q_st);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc);
+        mbarrier_arrive(buf.ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
+    }
+
+    const float scale = float(p.scale_log2) / LOG2E;
+    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
+    if (consumer == 0) {
+        Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
+        store_rows<T>(g_dv, acc, 1.f, warp_row0, nk - n0, 0, dv);
+    } else {
+        Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
+        store_rows<T>(g_dk, acc, scale, warp_row0, nk - n0, 0, d);
+    }
+}
+
 // dq for 128 queries of one sequence of one batch entry, over the key blocks of STEP
 // that they see: Q and dO resident, K and V streaming. As attn_bwd_dq_sm90, it also
 // computes delta = rowsum(dout * out) of its rows and stores it for the dk/dv pass.
 template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dq_sm90_ws(const BwdParams p) {
-    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, STEP, STAGES, false>;
+    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, STEP, STAGES, false>;
     using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
