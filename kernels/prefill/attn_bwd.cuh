@@ -131,6 +131,27 @@ struct QuerySteps {
     __device__ __forceinline__ int next_block(int mb) const { return mb + 1 == mb_end ? mb_begin : mb + 1; }
 };
 
+// The query steps of the dk/dv block of keys [n0, n_end) of work w.
+template <int STEP>
+__device__ __forceinline__ QuerySteps<STEP> query_steps(const AttnParams& p, const Work& w, const Band& band, int n0,
+                                                        int n_end) {
+    int begin, end;
+    band.query_blocks<STEP>(n0, n_end, w.nq, begin, end);
+    return QuerySteps<STEP>(p, w, begin, end);
+}
+
+// Writes a block's dk (scaled) or dv, a warp's 16 rows from warp_row0 of the keys from
+// n0 of work w, columns from col0, from the accumulator of a dk/dv pass.
+template <class T, int D_TILES>
+__device__ __forceinline__ void store_key_gradient(const BwdParams& p, const Work& w, int n0, bool dv,
+                                                   const float (&acc)[1][D_TILES][4], int warp_row0, int col0) {
+    using Storage = typename T::storage;
+    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
+    const index_t width = dv ? p.dv : p.d;
+    Storage* g = static_cast<Storage*>(dv ? p.dv_grad : p.dk) + key_row * width;
+    store_rows<T>(g, acc, dv ? 1.f : float(p.scale_log2) / LOG2E, warp_row0, w.nk - n0, col0, int(width));
+}
+
 // dk and dv for RESIDENT keys of one sequence of one batch entry (one K/V entry
 // when grouped), over the query blocks that see them.
 // Each warp owns 16 keys and works on transposed score tiles (rows = keys).

@@ -165,9 +165,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    int mb_begin, mb_end;
-    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
-    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
+    const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
     QueryRowStats<STEP, Cfg::THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
     auto loads = steps.first();   // the next step to load
@@ -286,12 +284,8 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(acc_dk);
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
-    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
-    Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
-    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
-    store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, col0, d);
-    store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, col0, dv);
+    store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, col0);
+    store_key_gradient<T>(p, w, n0, true, acc_dv, warp_row0, col0);
 }
 
 // dk and dv for 64 keys at head dims too wide for one warpgroup to hold both
@@ -337,9 +331,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + 64, nk);
-    int mb_begin, mb_end;
-    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
-    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
+    const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
     QueryRowStats<STEP, THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
     auto loads = steps.first();   // the next step to load
@@ -420,15 +412,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
         pin_registers(acc);
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
-    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
-    if (group == 0) {
-        Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
-        store_rows<T>(g_dv, acc, 1.f, warp_row0, nk - n0, 0, dv);
-    } else {
-        Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
-        store_rows<T>(g_dk, acc, scale, warp_row0, nk - n0, 0, d);
-    }
+    store_key_gradient<T>(p, w, n0, group == 0, acc, warp_row0, 0);   // dv in warpgroup 0, dk in 1
 }
 
 // delta = rowsum(dout * out) of the two rows a thread owns in the MMA layout

@@ -92,11 +92,22 @@ __device__ __forceinline__ void load_dkdv_steps(const BwdParams& p, const Work& 
     }
 }
 
+// On the loading warpgroup (true: the thread is done, as is its warpgroup), with
+// registers given up to the computing ones: load_dkdv_steps.
+template <class Cfg>
+__device__ __forceinline__ bool run_dkdv_loads(const BwdParams& p, const Work& w, const QuerySteps<Cfg::STEP>& steps,
+                                               const DkdvSmem<Cfg>& buf, int n0) {
+    if (threadIdx.x >= Cfg::PRODUCER_THREADS) return false;
+    registers_release<Cfg::PRODUCER_REGS>();
+    if (steps.count) load_dkdv_steps<Cfg>(p, w, steps, buf, n0);
+    cp_async_wait<0>();   // no copy outlives its thread
+    return true;
+}
+
 template <class T, int HEAD_DIM, int STAGES, bool PACKED>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, 64, STAGES, true>;
-    using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
     using Slot = RingSlot<STAGES>;
@@ -107,22 +118,15 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     Work w;
     if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
     const int n0 = w.block * Cfg::RESIDENT;
-    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
+    const int nq = w.nq, nk = w.nk;
     const DkdvSmem<Cfg> buf((smem_address(smem) + 1023u) & ~1023u);
     buf.ring.init();   // resident_full: K and V landed
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    int mb_begin, mb_end;
-    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
-    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
+    const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
-    if (threadIdx.x < Cfg::PRODUCER_THREADS) {
-        registers_release<Cfg::PRODUCER_REGS>();
-        if (steps.count) load_dkdv_steps<Cfg>(p, w, steps, buf, n0);
-        cp_async_wait<0>();   // no copy outlives its thread
-        return;
-    }
+    if (run_dkdv_loads<Cfg>(p, w, steps, buf, n0)) return;   // the loading warpgroup is done
 
     registers_claim<Cfg::CONSUMER_REGS>();
     const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
@@ -182,12 +186,8 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         mbarrier_arrive(buf.ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
-    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
-    Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
-    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
-    store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, 0, d);
-    store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, 0, dv);
+    store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, 0);
+    store_key_gradient<T>(p, w, n0, true, acc_dv, warp_row0, 0);
 }
 
 // attn_bwd_dkdv_wide_sm90 (head dim 256: both computing warpgroups own the same 64
@@ -198,7 +198,6 @@ template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
     using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 64, STEP, STAGES, true>;
-    using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
     using Slot = RingSlot<STAGES>;
@@ -211,22 +210,15 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
     Work w;
     if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
     const int n0 = w.block * Cfg::RESIDENT;
-    const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
+    const int nq = w.nq, nk = w.nk;
     const DkdvSmem<Cfg> buf((smem_address(smem) + 1023u) & ~1023u);   // then the p^T exchange
     buf.ring.init();   // resident_full: K and V landed
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    int mb_begin, mb_end;
-    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
-    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
+    const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
-    if (threadIdx.x < Cfg::PRODUCER_THREADS) {
-        registers_release<Cfg::PRODUCER_REGS>();
-        if (steps.count) load_dkdv_steps<Cfg>(p, w, steps, buf, n0);
-        cp_async_wait<0>();   // no copy outlives its thread
-        return;
-    }
+    if (run_dkdv_loads<Cfg>(p, w, steps, buf, n0)) return;   // the loading warpgroup is done
 
     registers_claim<Cfg::CONSUMER_REGS>();
     const int consumer = int(threadIdx.x) / 128 - 1;   // 0: p^T and dv; 1: dp^T and dk
@@ -293,15 +285,7 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
         mbarrier_arrive(buf.ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
-    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
-    if (consumer == 0) {
-        Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
-        store_rows<T>(g_dv, acc, 1.f, warp_row0, nk - n0, 0, dv);
-    } else {
-        Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
-        store_rows<T>(g_dk, acc, scale, warp_row0, nk - n0, 0, d);
-    }
+    store_key_gradient<T>(p, w, n0, consumer == 0, acc, warp_row0, 0);   // dv in the first, dk in the second
 }
 
 // dq for 128 queries of one sequence of one batch entry, over the key blocks of STEP
