@@ -41,12 +41,30 @@ template <class Cfg>
 struct DkdvSmem {
     u32 k, v, q, dout, lse, delta;
     StepRing<Cfg::STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring;
+    const float* lse_rows;   // lse, then delta, as the computing threads read them
 
-    __device__ __forceinline__ explicit DkdvSmem(u32 base)
-        : k(base), v(k + Cfg::ResidentTile::BYTES), q(v + Cfg::ResidentTile::BYTES),
+    __device__ __forceinline__ explicit DkdvSmem(unsigned char* smem)
+        : k((smem_address(smem) + 1023u) & ~1023u), v(k + Cfg::ResidentTile::BYTES), q(v + Cfg::ResidentTile::BYTES),
           dout(q + Cfg::STAGES * Cfg::StepTile::BYTES), lse(dout + Cfg::STAGES * Cfg::StepTile::BYTES),
-          delta(lse + Cfg::STAGES * Cfg::STEP * 4), ring{delta + Cfg::STAGES * Cfg::STEP * 4} {}
+          delta(lse + Cfg::STAGES * Cfg::STEP * 4), ring{delta + Cfg::STAGES * Cfg::STEP * 4},
+          lse_rows(reinterpret_cast<const float*>(smem + (lse - smem_address(smem)))) {}
     __device__ __forceinline__ u32 end() const { return ring.base + 8u * u32(Cfg::BARRIERS); }
+
+    // For the computing warpgroups: step j's stage once its copies have landed, its Q and
+    // dO tiles, lse (as stored) and delta; released once the warpgroup is done with it.
+    struct Stage {
+        u32 q, dout;
+        const float *lse, *delta;
+    };
+    __device__ __forceinline__ Stage wait_step(int j) const {
+        const RingSlot<Cfg::STAGES> slot{u32(j)};
+        mbarrier_wait(ring.full(slot.stage), slot.parity);
+        fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
+        const float* rows = lse_rows + slot.stage * Cfg::STEP;
+        return {q + slot.stage * Cfg::StepTile::BYTES, dout + slot.stage * Cfg::StepTile::BYTES, rows,
+                rows + Cfg::STAGES * Cfg::STEP};
+    }
+    __device__ __forceinline__ void release(int j) const { mbarrier_arrive(ring.empty(RingSlot<Cfg::STAGES>{u32(j)}.stage)); }
 };
 
 // The loading warpgroup of a dk/dv pass: K and V of the block's keys from n0 once, then
@@ -110,7 +128,6 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, 64, STAGES, true>;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
-    using Slot = RingSlot<STAGES>;
     constexpr int STEP = Cfg::STEP, S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
 
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -119,7 +136,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
     const int n0 = w.block * Cfg::RESIDENT;
     const int nq = w.nq, nk = w.nk;
-    const DkdvSmem<Cfg> buf((smem_address(smem) + 1023u) & ~1023u);
+    const DkdvSmem<Cfg> buf(smem);
     buf.ring.init();   // resident_full: K and V landed
 
     const Band band(p, w);
@@ -132,8 +149,6 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
     const int group_row0 = consumer * 64;                                  // this warpgroup's keys
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
-    const float* lse_rows = reinterpret_cast<const float*>(smem + (buf.lse - smem_address(smem)));
-    const float* delta_rows = reinterpret_cast<const float*>(smem + (buf.delta - smem_address(smem)));
     const float scale_log2 = float(p.scale_log2);
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
@@ -144,12 +159,8 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     }
     int mb = steps.mb_begin;   // the query block of step j
     for (int j = 0; j < steps.count; ++j) {
-        const Slot slot{u32(j)};
-        mbarrier_wait(buf.ring.full(slot.stage), slot.parity);
-        fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
-        const u32 q_st = buf.q + slot.stage * STile::BYTES, do_st = buf.dout + slot.stage * STile::BYTES;
-        const float* lse = lse_rows + slot.stage * STEP;
-        const float* delta = delta_rows + slot.stage * STEP;
+        const auto stage = buf.wait_step(j);
+        const u32 q_st = stage.q, do_st = stage.dout;
         const int m0 = mb * STEP;
         mb = steps.next_block(mb);
 
@@ -161,7 +172,8 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         pin_registers(st);
 
         // p^T, 0 where masked; dv += p^T dout, running while ds^T is formed
-        transposed_probabilities<T, true>(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse);
+        transposed_probabilities<T, true>(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2,
+                                          stage.lse);
         u32 pa[S_TILES / 2][4], dsa[S_TILES / 2][4];
         to_a_fragments<T>(pa, st);
         pin_registers(acc_dv);
@@ -173,7 +185,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         pin_registers(dpt);
 
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
-        transposed_ds(dpt, st, delta);
+        transposed_ds(dpt, st, stage.delta);
         to_a_fragments<T>(dsa, dpt);
         pin_registers(acc_dk);
         pin_registers(dsa);
@@ -183,7 +195,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         wgmma_wait<0>();
         pin_registers(acc_dv);
         pin_registers(acc_dk);
-        mbarrier_arrive(buf.ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
+        buf.release(j);   // this warpgroup's last read of the stage is done
     }
 
     store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, 0);
@@ -200,7 +212,6 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
     using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 64, STEP, STAGES, true>;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
-    using Slot = RingSlot<STAGES>;
     constexpr int S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
     constexpr int EXCHANGE_FLOATS = 64 * STEP;   // one step's p^T, in fragment order
     constexpr u32 PAIR = Cfg::CONSUMER_THREADS;   // both computing warpgroups at a named barrier
@@ -211,7 +222,7 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
     if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
     const int n0 = w.block * Cfg::RESIDENT;
     const int nq = w.nq, nk = w.nk;
-    const DkdvSmem<Cfg> buf((smem_address(smem) + 1023u) & ~1023u);   // then the p^T exchange
+    const DkdvSmem<Cfg> buf(smem);   // then the p^T exchange
     buf.ring.init();   // resident_full: K and V landed
 
     const Band band(p, w);
@@ -223,8 +234,6 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
     registers_claim<Cfg::CONSUMER_REGS>();
     const int consumer = int(threadIdx.x) / 128 - 1;   // 0: p^T and dv; 1: dp^T and dk
     const int rank = threadIdx.x % 128, warp_row0 = (rank / 32) * 16, t = threadIdx.x % 4;
-    const float* lse_rows = reinterpret_cast<const float*>(smem + (buf.lse - smem_address(smem)));
-    const float* delta_rows = reinterpret_cast<const float*>(smem + (buf.delta - smem_address(smem)));
     float* exchange = reinterpret_cast<float*>(smem + (buf.end() - smem_address(smem)));
     const float scale_log2 = float(p.scale_log2);
 
@@ -235,10 +244,8 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
     }
     int mb = steps.mb_begin;   // the query block of step j
     for (int j = 0; j < steps.count; ++j) {
-        const Slot slot{u32(j)};
-        mbarrier_wait(buf.ring.full(slot.stage), slot.parity);
-        fence_async_shared();   // the copies (generic proxy) before wgmma's reads (async proxy)
-        const u32 q_st = buf.q + slot.stage * STile::BYTES, do_st = buf.dout + slot.stage * STile::BYTES;
+        const auto stage = buf.wait_step(j);
+        const u32 q_st = stage.q, do_st = stage.dout;
         const int m0 = mb * STEP;
         mb = steps.next_block(mb);
 
@@ -254,7 +261,7 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
         if (consumer == 0) {
             // p^T, 0 where masked, into the exchange once the second has read the last step's
             transposed_probabilities<T, true>(s, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2,
-                                              lse_rows + slot.stage * STEP);
+                                              stage.lse);
             if (j > 0) named_barrier_sync<2, PAIR>();
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
@@ -263,7 +270,7 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
             named_barrier_arrive<1, PAIR>();
         } else {
             // ds^T = p^T (dp^T - delta of each query column)
-            const float* delta = delta_rows + slot.stage * STEP;
+            const float* delta = stage.delta;
             named_barrier_sync<1, PAIR>();
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
@@ -282,7 +289,7 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(acc);
-        mbarrier_arrive(buf.ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
+        buf.release(j);   // this warpgroup's last read of the stage is done
     }
 
     store_key_gradient<T>(p, w, n0, consumer == 0, acc, warp_row0, 0);   // dv in the first, dk in the second
