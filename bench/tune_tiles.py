@@ -57,15 +57,19 @@ def hopper_fwd(d, *cand):
         pingpong, q_buffers = (cand[3] if len(cand) > 3 else False), (cand[4] if len(cand) > 4 else 2)
         return _tiles.Sm90WsFwdTiles(d, block_n, stages, pingpong=pingpong, q_buffers=q_buffers)
     return Sm90FwdTiles(d, *cand)
-# (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages]) of the Hopper backward
+# (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages, dkdv_ws_stages,
+# dq_ws_stages]) of the Hopper backward (ws stages: the passes on a loading warpgroup)
 # (three or more stages: a step's gradient products run during the next step; one warpgroup
 # per block and two blocks per SM: no barrier between the two sets of 64 resident rows)
 SM90_BWD_CANDIDATES = {
     64: [(64, 64, 64, 2, 3, 1, False, 128, 3), (64, 64, 64, 2, 4, 1, False, 128, 3),
          (64, 64, 64, 1, 3, 2, False, 128, 2), (64, 64, 64, 1, 3, 2, False, 64, 3),
-         (64, 64, 64, 1, 4, 2, False, 64, 4)],
-    128: [(128, 128, 64, 2, 2, 1)],
-    256: [(256, 256, 32, 2, 3, 1, True), (128, 128, 32, 2, 3, 1)],
+         (64, 64, 64, 1, 4, 2, False, 64, 4), (64, 64, 64, 1, 3, 2, False, 128, 2, 4)],
+    128: [(128, 128, 64, 2, 2, 1), (128, 128, 64, 2, 2, 1, False, 0, 0, 2), (128, 128, 64, 2, 2, 1, False, 0, 0, 2, 2),
+          (128, 128, 64, 2, 2, 1, False, 0, 0, 2, 3), (128, 128, 64, 2, 2, 1, False, 0, 0, 3, 2),
+          (128, 128, 64, 2, 2, 1, False, 128, 0, 2, 2)],
+    256: [(256, 256, 32, 2, 3, 1, True), (128, 128, 32, 2, 3, 1), (256, 256, 32, 2, 3, 1, True, 0, 0, 0, 3),
+          (256, 256, 32, 2, 3, 1, True, 0, 0, 3), (256, 256, 32, 2, 3, 1, True, 0, 0, 4, 3)],
 }
 BWD_CANDIDATES = {
     64: [(64, 64, 4), (64, 32, 4)],

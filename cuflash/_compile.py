@@ -40,6 +40,7 @@ KERNEL_FILES = (
     "prefill/attn_fwd_sm90_ws.cuh",
     "prefill/attn_bwd.cuh",
     "prefill/attn_bwd_sm90.cuh",
+    "prefill/attn_bwd_sm90_ws.cuh",
 )
 
 

@@ -142,13 +142,15 @@ def backward_launches(x) -> Launches:
     head_dim = head_dim_bucket(x.d, x.dv)
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     width = max(x.d, x.dv)
-    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim) if _compile.current_arch() == "sm_90a" else None
+    queries = x.nq / x.packed.num_seqs if x.packed and x.packed.num_seqs else x.nq   # per sequence (the mean)
+    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim, queries) if _compile.current_arch() == "sm_90a" else None
     if sm90 is not None:
         dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None)
-        dq_res, dkdv_res, threads = sm90.resident, sm90.dkdv_resident, sm90.threads
+        dq_res, dkdv_res = sm90.dq_resident, sm90.dkdv_resident
+        threads, dkdv_threads = sm90.dq_threads, sm90.dkdv_threads
         dq_smem, dkdv_smem = sm90.smem_bytes(itemsize), sm90.dkdv_smem_bytes(itemsize)
         dq_cols, dkdv_cols = -(-width // sm90.dq_dcol), -(-width // sm90.dkdv_dcol)
-        per_sm = sm90.min_blocks
+        per_sm = sm90.dkdv_blocks_per_sm
     else:
         tiles = bwd_tiles(x.dtype_name, head_dim)
         delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None)
@@ -156,6 +158,7 @@ def backward_launches(x) -> Launches:
         dq_smem = dkdv_smem = tiles.smem_bytes(itemsize)
         dq_cols = dkdv_cols = max(1, -(-width // tiles.dcol))
         threads, per_sm = tiles.warps * 32, 2
+        dkdv_threads = threads
     key_blocks = -(-x.nk // dkdv_res) + (x.packed.num_seqs // 2 if x.packed else 0)
     layout, entries = dkdv_layout(x, key_blocks, per_sm * sm_count())
     dq_params = _params.bwd_params(x, dq_res)
@@ -163,7 +166,7 @@ def backward_launches(x) -> Launches:
     dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
     dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
     dq = Launch(_compile.get_function(dq_name, dq_smem), (dq_blocks, dq_cols), threads, dq_smem, dq_params, DQ_FIELDS)
-    dkdv = Launch(_compile.get_function(dkdv_name, dkdv_smem), (dkdv_blocks, dkdv_cols), threads, dkdv_smem,
+    dkdv = Launch(_compile.get_function(dkdv_name, dkdv_smem), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
                   dkdv_params, DKDV_FIELDS)
     if sm90 is not None:
         runs = (dq, dkdv)

@@ -251,6 +251,12 @@ class Sm90BwdTiles:
     # the dq pass's own step and stages; 0: those of dk/dv
     dq_step: int = 0
     dq_stages: int = 0
+    # dk/dv by attn_bwd_dkdv_sm90_ws, a loading warpgroup and two computing ones (64
+    # keys each; with wide_dkdv attn_bwd_dkdv_wide_sm90_ws, both on the same 64), with
+    # this many stages of queries in flight; 0: the kernels without a loading warpgroup
+    dkdv_ws_stages: int = 0
+    # the same for the dq pass (attn_bwd_dq_sm90_ws: 128 queries, steps of the dq step)
+    dq_ws_stages: int = 0
 
     @property
     def resident(self) -> int:
@@ -258,18 +264,39 @@ class Sm90BwdTiles:
 
     @property
     def dkdv_resident(self) -> int:
-        return 64 if self.wide_dkdv else self.resident
+        return 64 if self.wide_dkdv else 128 if self.dkdv_ws_stages else self.resident
+
+    @property
+    def dq_resident(self) -> int:
+        return 128 if self.dq_ws_stages else self.resident
+
+    @property
+    def dq_threads(self) -> int:
+        return 384 if self.dq_ws_stages else self.threads
 
     @property
     def dq_pipeline(self) -> tuple[int, int]:
         """(step, stages) of the dq pass."""
-        return self.dq_step or self.step, self.dq_stages or self.stages
+        return self.dq_step or self.step, self.dq_ws_stages or self.dq_stages or self.stages
 
     @property
     def threads(self) -> int:
         return 128 * self.warpgroups
 
+    @property
+    def dkdv_threads(self) -> int:
+        return 384 if self.dkdv_ws_stages else self.threads
+
+    @property
+    def dkdv_blocks_per_sm(self) -> int:
+        return 1 if self.dkdv_ws_stages else self.min_blocks
+
     def dkdv_smem_bytes(self, itemsize: int) -> int:
+        if self.dkdv_ws_stages and self.wide_dkdv:   # 64 keys, and one step of p^T as float32
+            return (self._ws_smem_bytes(64, self.step, self.dkdv_ws_stages, itemsize, row_stats=True)
+                    + 64 * self.step * 4)
+        if self.dkdv_ws_stages:   # steps of 64 queries with their lse and delta
+            return self._ws_smem_bytes(128, 64, self.dkdv_ws_stages, itemsize, row_stats=True)
         if not self.wide_dkdv:
             return self._smem_bytes(self.resident, self.step, self.stages, itemsize)
         # one warpgroup's rows, plus one step of p^T as float32
@@ -277,7 +304,14 @@ class Sm90BwdTiles:
 
     def smem_bytes(self, itemsize: int) -> int:
         """Shared memory of the dq pass."""
+        if self.dq_ws_stages:
+            return self._ws_smem_bytes(128, *self.dq_pipeline, itemsize, row_stats=False)
         return self._smem_bytes(self.resident, *self.dq_pipeline, itemsize)
+
+    def _ws_smem_bytes(self, resident: int, step: int, stages: int, itemsize: int, row_stats: bool) -> int:
+        # tile_config.cuh: Sm90WsBwdConfig::SMEM_BYTES (1 + 2 STAGES barriers)
+        tiles = (2 * resident + 2 * stages * step) * self.head_dim * itemsize
+        return 1024 + tiles + (2 * stages * step * 4 if row_stats else 0) + 8 * (1 + 2 * stages)
 
     def _smem_bytes(self, resident: int, step: int, stages: int, itemsize: int) -> int:
         # tile_config.cuh: Sm90BwdConfig::SMEM_BYTES
@@ -285,11 +319,20 @@ class Sm90BwdTiles:
         return 1024 + tiles * self.head_dim * itemsize + 2 * stages * step * 4
 
 
-def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
-    """The Hopper backward tiles for (dtype, head-dim bucket), or None (as sm90_fwd_tiles).
+# Query rows from which the dk/dv pass at head dim 64 takes the loading warpgroup
+SM90_WS_BWD_MIN_QUERIES_D64 = 2048
+
+
+def sm90_bwd_tiles(dtype_name: str, head_dim: int,
+                   queries: float = SM90_WS_BWD_MIN_QUERIES_D64) -> Sm90BwdTiles | None:
+    """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
+    None (as sm90_fwd_tiles).
 
     At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
-    two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other)."""
+    two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128
+    both passes run on a loading warpgroup (bench/NOTES.md v18: 1.08-1.19x the
+    backward); at 64 the dk/dv pass does from 2048 queries (1.01-1.10x; below, its
+    fewer and longer blocks lose, and the dq pass on one gains nothing)."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
     if head_dim == 256:
@@ -299,9 +342,12 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int) -> Sm90BwdTiles | None:
         # per SM, with no barrier between them, so one block's exponentials run
         # during the other's products; dk/dv's gradient products overlapping the
         # next step (3 stages); dq over 128 keys per step
-        return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2)
-    # three stages spill at head dim 128
-    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2)
+        ws = 4 if queries >= SM90_WS_BWD_MIN_QUERIES_D64 else 0
+        return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
+                            dkdv_ws_stages=ws)
+    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90)
+    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2,
+                        dq_ws_stages=2)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -> tuple[str, str]:
@@ -309,12 +355,18 @@ def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
     flag = _flag(packed)
-    if t.wide_dkdv:
+    if t.wide_dkdv and t.dkdv_ws_stages:
+        dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90_ws<{elem}, {t.head_dim}, {t.step}, {t.dkdv_ws_stages}, {flag}>"
+    elif t.wide_dkdv:
         dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}, {flag}>"
+    elif t.dkdv_ws_stages:
+        dkdv = f"cuflash::attn_bwd_dkdv_sm90_ws<{elem}, {t.head_dim}, {t.dkdv_ws_stages}, {flag}>"
     else:
         rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}, {flag}"
         dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>"
     dq_step, dq_stages = t.dq_pipeline
+    if t.dq_ws_stages:
+        return dkdv, f"cuflash::attn_bwd_dq_sm90_ws<{elem}, {t.head_dim}, {dq_step}, {dq_stages}, {flag}>"
     dq_rest = f"{dq_step}, {t.warpgroups}, {dq_stages}, {t.min_blocks}, {flag}"
     return dkdv, f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {dq_rest}>"
 
@@ -340,7 +392,9 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                             name = hopper_fwd_name(dt, t, packed)
                             if name not in names:
                                 names.append(name)
-                    names.extend(sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd), packed))
+                    for queries in (1, SM90_WS_BWD_MIN_QUERIES_D64):
+                        bwd = sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd, queries), packed)
+                        names.extend(n for n in bwd if n not in names)
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
                     names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)

@@ -122,6 +122,50 @@ def test_backward_is_deterministic():
         assert cupy.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+@pytest.mark.parametrize("d, dkdv_stages, dq_stages, dq_step", [(64, 2, 0, 0), (64, 4, 3, 0), (128, 2, 0, 0),
+                                                                (128, 3, 2, 0), (64, 0, 2, 0), (128, 0, 3, 0),
+                                                                (128, 2, 2, 128), (256, 0, 3, 0), (256, 3, 0, 0),
+                                                                (256, 4, 3, 0)])
+@pytest.mark.parametrize(
+    "q_shape, k_shape, mask",
+    [
+        ((1, 3, 700), (1, 3, 1300), {"causal": True}),        # more keys than queries
+        ((1, 2, 1000), (1, 2, 777), {"causal": True}),        # key blocks no row sees
+        ((2, 1, 513), (2, 1, 1500), {"window": (100, 50)}),   # few query blocks per key block
+        ((2, 1, 4, 400), (2, 1, 1, 400), {}),                 # grouped queries: steps across the group
+        ((3, 2, 256), (1, 2, 256), {"window": (None, 0)}),    # k and v broadcast along the batch
+    ],
+)
+def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, dq_step, q_shape, k_shape, mask):
+    """attn_bwd_dkdv_sm90_ws and attn_bwd_dq_sm90_ws (0 stages: the other kernel; dq_step 0:
+    the tiles' own) at the ring depths and steps bench/tune_tiles.py may time, also where the
+    default does not pick them."""
+    import dataclasses
+
+    from cuflash import _compile, _dispatch, _plans
+
+    if _compile.current_arch() != "sm_90a":
+        pytest.skip("the loading-warpgroup dk/dv pass is Hopper's (sm_90a)")
+    tiles = _dispatch.sm90_bwd_tiles("float16", d)
+    tiles = dataclasses.replace(tiles, dkdv_ws_stages=dkdv_stages, dq_ws_stages=dq_stages,
+                                dq_step=dq_step or tiles.dq_step)
+    monkeypatch.setattr(_dispatch, "sm90_bwd_tiles", lambda *args: tiles)
+    _plans.clear()
+    try:
+        rng = np.random.default_rng(d + dkdv_stages + 7 * dq_stages + len(mask))
+        q = random_array(rng, q_shape + (d,), "float16", 4.0)
+        k, v = (random_array(rng, k_shape + (d,), "float16") for _ in range(2))
+        batch = np.broadcast_shapes(q_shape[:-1], k_shape[:-1])
+        dout = random_array(rng, batch + (q_shape[-1], d), "float16")
+        check_backward(q, k, v, dout, **mask)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
+        plan, _ = _plans.backward(dout, q, k, v, out, lse, mask.get("causal", False), mask.get("window"), None)
+        threads = [run.threads for run in plan.launches.runs]
+        assert threads.count(384) == (dkdv_stages > 0) + (dq_stages > 0)   # the loading warpgroups' launches
+    finally:
+        _plans.clear()
+
+
 def test_vjp_closure_matches_backward():
     rng = np.random.default_rng(3)
     q, k, v, dout = (random_array(rng, (2, 3, 100, 64), "float16") for _ in range(4))

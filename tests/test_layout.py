@@ -70,7 +70,10 @@ def test_hopper_specializations_fit_shared_memory():
                         for t in picks:
                             assert _tiles.hopper_fwd_name(dt, t, packed) in names
                             assert t.smem_bytes(2) <= 232448
-                    assert set(_tiles.sm90_bwd_names(dt, bwd, packed)) <= set(names)
+                    for queries in (1, 4096):   # (head dim 64: a loading warpgroup from 2048 queries)
+                        tiles = _tiles.sm90_bwd_tiles(dt, hd, queries)
+                        assert set(_tiles.sm90_bwd_names(dt, tiles, packed)) <= set(names)
+                        assert tiles.dkdv_smem_bytes(2) <= 232448
                 ws = _tiles.sm90_ws_fwd_tiles(dt, hd, 5000)
                 assert (ws is not None) == (hd in (64, 128, 256))
                 assert (_tiles.sm90_ws_fwd_tiles(dt, hd, 5000, masked=True) is not None) == (hd in (64, 128))

@@ -230,12 +230,13 @@ def test_packed_argument_errors():
         ([0, 2**31 - 1] * 3, [0, 2**31 - 1] * 3),            # every sequence claiming everything
     ],
 )
-def test_check_false_bad_offsets_stay_inside_the_arrays(cu_q, cu_k):
+@pytest.mark.parametrize("d", [64, 128])
+def test_check_false_bad_offsets_stay_inside_the_arrays(cu_q, cu_k, d):
     """Bad offsets with check=False give wrong rows, never a read or write outside the
     arrays: guard bytes around every output stay as they were (compute-sanitizer runs the
     same cases, tools/sanitize_cases.py), and valid rows are still right."""
     rng = np.random.default_rng(10)
-    h, t, d = 2, 400, 64
+    h, t = 2, 400
     q, k, v, dout = (random_array(rng, (h, t, d), "float16") for _ in range(4))
     seqs = {"cu_seqlens_q": cupy.asarray(cu_q, dtype=cupy.int32), "cu_seqlens_k": cupy.asarray(cu_k, dtype=cupy.int32),
             "check": False}

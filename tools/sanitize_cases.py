@@ -96,6 +96,12 @@ for d, n, mask in ((64, 100, {"causal": True}), (128, 190, {})):
     q, k, v = (randn((64, 8, n, d), "bfloat16") for _ in range(3))
     ok &= run_case(f"bfloat16 D={d} 64x8 heads N={n} many short tiles {mask}", q, k, v, **mask)
 
+# head dim 64 from 2048 queries: on Hopper the dk/dv pass with a loading warpgroup
+for mask in ({"causal": True}, {"window": (300, 20)}):
+    q = randn((1, 2, 2100, 64), "bfloat16")
+    k, v = randn((1, 2, 2050, 64), "bfloat16"), randn((1, 2, 2050, 64), "bfloat16")
+    ok &= run_case(f"bfloat16 D=64 Nq=2100 Nk=2050 {mask}", q, k, v, **mask)
+
 # bad offsets, check=False: wrong rows, but no access outside the arrays
 for cu, d in itertools.product(([0, 300, 100, 5000], [-7, 120, 2**31 - 1], [0, 2**31 - 1, 0, 2**31 - 1]), (64, 128)):
     cu = cupy.asarray(cu, dtype=cupy.int32)

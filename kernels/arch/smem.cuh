@@ -41,6 +41,11 @@ __device__ __forceinline__ void cp_async_16(u32 s_addr, const void* g_ptr, bool 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(s_addr), "l"(g_ptr), "r"(valid ? 16 : 0));
 }
+// The same for 4 bytes (one float), through L1.
+__device__ __forceinline__ void cp_async_4(u32 s_addr, const void* g_ptr, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(s_addr), "l"(g_ptr), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING)); }

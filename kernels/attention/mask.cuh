@@ -34,6 +34,23 @@ struct Band {
     }
     // Whether the left edge of some row in [.., r1) lies past key c0 (cuts' last test).
     __device__ __forceinline__ bool cuts_left(int r1, int c0) const { return c0 < r1 - 1 + off - left; }
+
+    // The blocks of BLOCK keys that rows [row_begin, row_end) see: [begin, end).
+    template <int BLOCK>
+    __device__ __forceinline__ void key_blocks(int row_begin, int row_end, int& begin, int& end) const {
+        int lo, hi;
+        key_range(row_begin, row_end, lo, hi);
+        begin = lo / BLOCK;
+        end = hi > lo ? ceil_div(hi, BLOCK) : begin;
+    }
+    // The blocks of BLOCK query rows (of nq) that keys [key_begin, key_end) are seen by.
+    template <int BLOCK>
+    __device__ __forceinline__ void query_blocks(int key_begin, int key_end, int nq, int& begin, int& end) const {
+        int lo, hi;
+        row_range(key_begin, key_end, nq, lo, hi);
+        begin = lo / BLOCK;
+        end = hi > lo ? ceil_div(hi, BLOCK) : begin;
+    }
 };
 
 // Writes -inf over the scores a row may not see. s holds the C fragments of

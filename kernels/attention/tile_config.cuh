@@ -86,26 +86,31 @@ struct Sm90FwdConfig {
     static constexpr int SMEM_BYTES = 1024 + QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES);
 };
 
+// A block of one loading warpgroup (0) and two computing ones (1, 2). The loaders need
+// few registers and give them to the computing warpgroups (setmaxnreg):
+// 128 * PRODUCER_REGS + 256 * CONSUMER_REGS stays within the SM's 64K.
+template <int PRODUCER_REGS_, int CONSUMER_REGS_>
+struct LoadingWarpgroupBlock {
+    static constexpr int THREADS = 384;
+    static constexpr int PRODUCER_THREADS = 128;
+    static constexpr int CONSUMER_THREADS = 256;
+    static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
+    static constexpr int CONSUMER_REGS = CONSUMER_REGS_;
+    static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "register file");
+};
+
 // Hopper forward with a loading warpgroup (attn_fwd_sm90_ws.cuh): warpgroup 0 copies,
 // warpgroups 1 and 2 compute 64 query rows each of a 128-row tile. Q has Q_BUFFERS
 // buffers (two: the next tile's loads while the current one computes; one where two do
 // not fit, head dim 256), K and V a ring of STAGES.
-// The loaders need few registers and give them to the computing warpgroups:
-// 128 * PRODUCER_REGS + 256 * CONSUMER_REGS stays within the SM's 64K.
 template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_>
-struct Sm90WsFwdConfig {
+struct Sm90WsFwdConfig : LoadingWarpgroupBlock<40, 232> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;
     static constexpr int STAGES = STAGES_;
     static constexpr int Q_BUFFERS = Q_BUFFERS_;
     static constexpr int BLOCK_M = 128;
-    static constexpr int THREADS = 384;
-    static constexpr int PRODUCER_THREADS = 128;
-    static constexpr int CONSUMER_THREADS = 256;
-    static constexpr int PRODUCER_REGS = 40;
-    static constexpr int CONSUMER_REGS = 232;
-    static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "register file");
 
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
@@ -114,6 +119,31 @@ struct Sm90WsFwdConfig {
     static constexpr int BARRIERS = 2 * Q_BUFFERS + 4 * STAGES;
     static constexpr int SMEM_BYTES =
         1024 + Q_BUFFERS * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) + 8 * BARRIERS;
+};
+
+// Hopper backward passes with a loading warpgroup (attn_bwd_sm90_ws.cuh): warpgroup 0
+// copies, warpgroups 1 and 2 own a block of RESIDENT rows (keys for dk/dv, queries for
+// dq; 64 each of 128, or both the same 64 in the wide dk/dv pass); the other side
+// streams in steps of STEP rows through a ring of STAGES, each stage guarded by a full
+// and an empty mbarrier. ROW_STATS: each stage also holds its query rows' lse and
+// delta (the dk/dv passes). The D 128 dk/dv pass needs 240 registers per computing
+// thread (it spills at 216).
+template <class T, int HEAD_DIM_, int RESIDENT_, int STEP_, int STAGES_, bool ROW_STATS>
+struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24, 240> {
+    using Storage = typename T::storage;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int STEP = STEP_;
+    static constexpr int RESIDENT = RESIDENT_;
+    static constexpr int STAGES = STAGES_;
+
+    using ResidentTile = PanelTile<Storage, RESIDENT, HEAD_DIM>;
+    using StepTile = PanelTile<Storage, STEP, HEAD_DIM>;
+    // barriers: the resident tiles full; per stage, step full and empty
+    static constexpr int BARRIERS = 1 + 2 * STAGES;
+    static constexpr int ROW_STATS_BYTES = ROW_STATS ? 2 * STAGES * STEP * 4 : 0;
+    // [2 resident tiles][2 step tiles x STAGES][lse x STAGES][delta x STAGES][barriers]
+    static constexpr int SMEM_BYTES =
+        1024 + 2 * ResidentTile::BYTES + 2 * STAGES * StepTile::BYTES + ROW_STATS_BYTES + 8 * BARRIERS;
 };
 
 // Hopper backward: each warpgroup owns 64 resident rows; the other side streams

@@ -30,13 +30,17 @@ __device__ __forceinline__ float probability(float s, float scale_log2, float ls
 // Scores of a warp's 16 x STEP tile to probabilities. Rows are keys and the
 // lse2 of each query column comes from shared memory (transposed tiles), or
 // rows are queries with their two lse2 values in registers.
-template <class T, bool MASKED, int S_TILES>
+// RAW: the column values are lse as stored (natural log), turned to lse2 here.
+template <class T, bool MASKED, int S_TILES, bool RAW = false>
 __device__ __forceinline__ void probabilities_by_col(float (&s)[1][S_TILES][4], float scale_log2, const float* lse2) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, lse2[nt * 8 + 2 * t + (e & 1)]);
+        for (int e = 0; e < 4; ++e) {
+            const float l = lse2[nt * 8 + 2 * t + (e & 1)];
+            s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, RAW ? lse_to_log2(l) : l);
+        }
 }
 template <class T, bool MASKED, int S_TILES>
 __device__ __forceinline__ void probabilities_by_row(float (&s)[1][S_TILES][4], float scale_log2, const float (&lse2)[2]) {
@@ -127,6 +131,27 @@ struct QuerySteps {
     __device__ __forceinline__ int next_block(int mb) const { return mb + 1 == mb_end ? mb_begin : mb + 1; }
 };
 
+// The query steps of the dk/dv block of keys [n0, n_end) of work w.
+template <int STEP>
+__device__ __forceinline__ QuerySteps<STEP> query_steps(const AttnParams& p, const Work& w, const Band& band, int n0,
+                                                        int n_end) {
+    int begin, end;
+    band.query_blocks<STEP>(n0, n_end, w.nq, begin, end);
+    return QuerySteps<STEP>(p, w, begin, end);
+}
+
+// Writes a block's dk (scaled) or dv, a warp's 16 rows from warp_row0 of the keys from
+// n0 of work w, columns from col0, from the accumulator of a dk/dv pass.
+template <class T, int D_TILES>
+__device__ __forceinline__ void store_key_gradient(const BwdParams& p, const Work& w, int n0, bool dv,
+                                                   const float (&acc)[1][D_TILES][4], int warp_row0, int col0) {
+    using Storage = typename T::storage;
+    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
+    const index_t width = dv ? p.dv : p.d;
+    Storage* g = static_cast<Storage*>(dv ? p.dv_grad : p.dk) + key_row * width;
+    store_rows<T>(g, acc, dv ? 1.f : float(p.scale_log2) / LOG2E, warp_row0, w.nk - n0, col0, int(width));
+}
+
 // dk and dv for RESIDENT keys of one sequence of one batch entry (one K/V entry
 // when grouped), over the query blocks that see them.
 // Each warp owns 16 keys and works on transposed score tiles (rows = keys).
@@ -163,10 +188,9 @@ attn_bwd_dkdv(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    int m_lo, m_hi;
-    band.row_range(n0, n_end, nq, m_lo, m_hi);
-    const int mb_begin = m_lo / STEP;
-    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
+    int mb_begin, mb_end;
+    band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
+    const QuerySteps<STEP> steps(p, w, mb_begin, mb_end);
 
     auto load_step = [&](int j, int stage) {
         int m0;
@@ -291,10 +315,8 @@ attn_bwd_dq(const BwdParams p) {
 
     const Band band(p, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
-    int n_lo, n_hi;
-    band.key_range(m0, m_end, n_lo, n_hi);
-    const int nb_begin = n_lo / STEP;
-    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, STEP) : nb_begin;
+    int nb_begin, nb_end;
+    band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
 
     auto load_step = [&](int nb, int stage) {
         const int n0 = nb * STEP;

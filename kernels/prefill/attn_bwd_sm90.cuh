@@ -18,6 +18,70 @@
 
 namespace cuflash {
 
+// Pieces of a step that the Hopper backward kernels share (here and attn_bwd_sm90_ws.cuh).
+
+// s = A B^T and dp = C D^T for a warpgroup's 64 resident rows (s_rows, dp_rows: their
+// first rows in resident tiles) against a step's rows, as two commit groups: k q^T and
+// v dout^T in the dk/dv passes, q k^T and dout v^T in the dq passes. The caller waits.
+template <class T, class RTile, class STile, int HEAD_DIM, int STEP>
+__device__ __forceinline__ void issue_score_products(float (&s)[1][STEP / 8][4], float (&dp)[1][STEP / 8][4],
+                                                     u32 s_rows, u32 s_step, u32 dp_rows, u32 dp_step) {
+    wgmma_fence();
+    wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], s_rows, s_step);
+    wgmma_commit();
+    wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dp[0], dp_rows, dp_step);
+    wgmma_commit();
+}
+
+// p^T from s^T in place, 0 where masked: rows are keys (the warp's from key_row0 of
+// [n0, n_end)), columns queries of [m0, m_end) with their lse2 from shared memory
+// (RAW: lse as stored).
+template <class T, bool RAW = false, int S_TILES>
+__device__ __forceinline__ void transposed_probabilities(float (&st)[1][S_TILES][4], const Band& band, int m0,
+                                                         int m_end, int n0, int n_end, int key_row0,
+                                                         float scale_log2, const float* lse2) {
+    if (band.cuts(m0, m_end, n0, n_end)) {
+        apply_band<true>(st, band, key_row0, m0);
+        probabilities_by_col<T, true, S_TILES, RAW>(st, scale_log2, lse2);
+    } else {
+        probabilities_by_col<T, false, S_TILES, RAW>(st, scale_log2, lse2);
+    }
+}
+
+// p from s in place, 0 where masked: rows are queries (the warp's from row0 of
+// [m0, m_end), the thread's two lse2 in registers), columns keys of [n0, n_end).
+template <class T, int S_TILES>
+__device__ __forceinline__ void row_probabilities(float (&s)[1][S_TILES][4], const Band& band, int m0, int m_end,
+                                                  int n0, int n_end, int row0, float scale_log2,
+                                                  const float (&lse2)[2]) {
+    if (band.cuts(m0, m_end, n0, n_end)) {
+        apply_band(s, band, row0, n0);
+        probabilities_by_row<T, true>(s, scale_log2, lse2);
+    } else {
+        probabilities_by_row<T, false>(s, scale_log2, lse2);
+    }
+}
+
+// ds = p (dp - delta) in dp's registers. transposed_ds: rows are keys, each query
+// column's delta from shared memory; row_ds: rows are queries, the thread's two deltas.
+template <int S_TILES>
+__device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
+                                              const float* delta) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[0][nt][e] = pt[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+}
+template <int S_TILES>
+__device__ __forceinline__ void row_ds(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4],
+                                       const float (&delta)[2]) {
+#pragma unroll
+    for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
+}
+
 // lse and delta of each step's query rows for the dk/dv passes, one row per
 // thread below STEP, filled into a stage's buffers together with its Q and dO
 // tiles. PREFETCH (Sm90BwdConfig::PREFETCH_ROW_STATS): a step's values are
@@ -83,7 +147,6 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;
-    const int t = threadIdx.x % 4;
 
     index_t q_off, k_off, v_off;
     p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
@@ -102,10 +165,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    int m_lo, m_hi;
-    band.row_range(n0, n_end, nq, m_lo, m_hi);
-    const int mb_begin = m_lo / STEP;
-    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
+    const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
     QueryRowStats<STEP, Cfg::THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
     auto loads = steps.first();   // the next step to load
@@ -167,11 +227,8 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         float st[1][S_TILES][4], dpt[1][S_TILES][4];
         pin_registers(pa);
         pin_registers(dsa);
-        wgmma_fence();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(st[0], s_k + group_row0 * 128, q_st);
-        wgmma_commit();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dpt[0], s_v + group_row0 * 128, do_st);
-        wgmma_commit();
+        issue_score_products<T, RTile, STile, HEAD_DIM, STEP>(st, dpt, s_k + group_row0 * 128, q_st,
+                                                             s_v + group_row0 * 128, do_st);
         if (Cfg::OVERLAP) {
             if (j > 0) issue_gradients(q_prev, do_prev);
             wgmma_commit();   // empty in the first step, so the waits below count alike
@@ -180,12 +237,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(st);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
-        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
-            apply_band<true>(st, band, n0 + warp_row0, m0);
-            probabilities_by_col<T, true>(st, scale_log2, lse2);
-        } else {
-            probabilities_by_col<T, false>(st, scale_log2, lse2);
-        }
+        transposed_probabilities<T>(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
 
         if (!Cfg::OVERLAP) {
             // dv += p^T dout, running while ds^T is formed
@@ -200,10 +252,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(dpt);
 
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+        transposed_ds(dpt, st, delta);
         if (Cfg::OVERLAP) {
             wgmma_wait<0>();   // the previous step's products: pa and dsa are free
             pin_registers(acc_dv);
@@ -235,12 +284,8 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(acc_dk);
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
-    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
-    Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
-    Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
-    store_rows<T>(g_dk, acc_dk, scale, warp_row0, nk - n0, col0, d);
-    store_rows<T>(g_dv, acc_dv, 1.f, warp_row0, nk - n0, col0, dv);
+    store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, col0);
+    store_key_gradient<T>(p, w, n0, true, acc_dv, warp_row0, col0);
 }
 
 // dk and dv for 64 keys at head dims too wide for one warpgroup to hold both
@@ -286,10 +331,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const int n_end = min(n0 + 64, nk);
-    int m_lo, m_hi;
-    band.row_range(n0, n_end, nq, m_lo, m_hi);
-    const int mb_begin = m_lo / STEP;
-    const QuerySteps<STEP> steps(p, w, mb_begin, m_hi > m_lo ? ceil_div(m_hi, STEP) : mb_begin);
+    const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
     QueryRowStats<STEP, THREADS, Cfg::PREFETCH_ROW_STATS> stats(steps, p.lse, p.delta, s_lse2, s_delta, nq);
     auto loads = steps.first();   // the next step to load
@@ -342,12 +384,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
         if (group == 0) {
             // p^T, 0 where masked; shared with warpgroup 1 element by element
             const float* lse2 = s_lse2 + stage * STEP;
-            if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
-                apply_band<true>(s, band, n0 + warp_row0, m0);
-                probabilities_by_col<T, true>(s, scale_log2, lse2);
-            } else {
-                probabilities_by_col<T, false>(s, scale_log2, lse2);
-            }
+            transposed_probabilities<T>(s, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
@@ -375,15 +412,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
         pin_registers(acc);
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
-    const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
-    if (group == 0) {
-        Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
-        store_rows<T>(g_dv, acc, 1.f, warp_row0, nk - n0, 0, dv);
-    } else {
-        Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
-        store_rows<T>(g_dk, acc, scale, warp_row0, nk - n0, 0, d);
-    }
+    store_key_gradient<T>(p, w, n0, group == 0, acc, warp_row0, 0);   // dv in warpgroup 0, dk in 1
 }
 
 // delta = rowsum(dout * out) of the two rows a thread owns in the MMA layout
@@ -453,10 +482,8 @@ attn_bwd_dq_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
-    int n_lo, n_hi;
-    band.key_range(m0, m_end, n_lo, n_hi);
-    const int nb_begin = n_lo / STEP;
-    const int nb_end = n_hi > n_lo ? ceil_div(n_hi, STEP) : nb_begin;
+    int nb_begin, nb_end;
+    band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
 
     auto load_step = [&](int nb, int stage) {
         const int n0 = nb * STEP;
@@ -510,11 +537,8 @@ attn_bwd_dq_sm90(const BwdParams p) {
         // s = q k^T and dp = dout v^T
         float s[1][S_TILES][4], dp[1][S_TILES][4];
         pin_registers(dsa);
-        wgmma_fence();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], s_q + group_row0 * 128, k_st);
-        wgmma_commit();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(dp[0], s_do + group_row0 * 128, v_st);
-        wgmma_commit();
+        issue_score_products<T, RTile, STile, HEAD_DIM, STEP>(s, dp, s_q + group_row0 * 128, k_st,
+                                                             s_do + group_row0 * 128, v_st);
         if (Cfg::OVERLAP) {
             if (nb > nb_begin) issue_dq(k_prev);
             wgmma_commit();   // empty in the first step, so the waits below count alike
@@ -523,20 +547,12 @@ attn_bwd_dq_sm90(const BwdParams p) {
         pin_registers(s);
 
         // p = exp2(s * scale_log2 - lse2), while dp finishes
-        if (band.cuts(m0, m_end, n0, n0 + STEP)) {
-            apply_band(s, band, m0 + warp_row0, n0);
-            probabilities_by_row<T, true>(s, scale_log2, lse2);
-        } else {
-            probabilities_by_row<T, false>(s, scale_log2, lse2);
-        }
+        row_probabilities<T>(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
         wgmma_wait<Cfg::OVERLAP ? 1 : 0>();
         pin_registers(dp);
 
         // ds = p (dp - delta); dq += ds k (scaled at the end)
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
+        row_ds(dp, s, delta);
         if (Cfg::OVERLAP) {
             wgmma_wait<0>();   // the previous step's dq product: dsa is free
             pin_registers(acc_dq);
