@@ -145,7 +145,7 @@ def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, dq
     from cuflash import _compile, _dispatch, _plans
 
     if _compile.current_arch() != "sm_90a":
-        pytest.skip("the loading-warpgroup passes are Hopper's (sm_90a)")
+        pytest.skip("the loading-warpgroup dk/dv pass is Hopper's (sm_90a)")
     tiles = _dispatch.sm90_bwd_tiles("float16", d)
     tiles = dataclasses.replace(tiles, dkdv_ws_stages=dkdv_stages, dq_ws_stages=dq_stages,
                                 dq_step=dq_step or tiles.dq_step)
