@@ -104,7 +104,7 @@ struct LoadingWarpgroupBlock {
 // buffers (two: the next tile's loads while the current one computes; one where two do
 // not fit, head dim 256), K and V a ring of STAGES.
 template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_>
-struct Sm90WsFwdConfig : LoadingWarpgroupBlock<40, 232> {
+struct Sm90WsFwdConfig : LoadingWarpgroupBlock<48, 232> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;
@@ -115,10 +115,13 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<40, 232> {
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
     using VTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
-    // barriers: q full/empty x Q_BUFFERS, k full/empty x STAGES, v full/empty x STAGES
+    // barriers: q full/empty x Q_BUFFERS, k full/empty x STAGES, v full/empty x STAGES;
+    // then the tile queue's slots, 16 bytes each (tile_queue.cuh: the next tile drawn
+    // while this one runs)
     static constexpr int BARRIERS = 2 * Q_BUFFERS + 4 * STAGES;
-    static constexpr int SMEM_BYTES =
-        1024 + Q_BUFFERS * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) + 8 * BARRIERS;
+    static constexpr int TILE_SLOTS = 2;
+    static constexpr int SMEM_BYTES = 1024 + Q_BUFFERS * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) +
+                                      8 * BARRIERS + 16 * TILE_SLOTS;
 };
 
 // Hopper backward passes with a loading warpgroup (attn_bwd_sm90_ws.cuh): warpgroup 0
