@@ -24,13 +24,13 @@ namespace cuflash {
 
 template <int SLOTS>
 struct TileQueue {
-    static constexpr int BYTES = 16 * SLOTS;   // full and empty barriers, then the words
+    static constexpr int BYTES = 24 * SLOTS;   // full and empty barriers, then the words (8-byte slots)
     u32 base;
     u32* counter;
 
     __device__ __forceinline__ u32 full(int s) const { return base + 8u * u32(s); }
     __device__ __forceinline__ u32 empty(int s) const { return base + 8u * u32(SLOTS + s); }
-    __device__ __forceinline__ u32 word(int s) const { return base + 16u * u32(SLOTS) + 4u * u32(s); }
+    __device__ __forceinline__ u32 word(int s) const { return base + 16u * u32(SLOTS) + 8u * u32(s); }
 
     // By one thread before the block's first sync; `readers` threads take every draw.
     __device__ __forceinline__ void init(u32 readers) const {

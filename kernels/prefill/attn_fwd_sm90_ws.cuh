@@ -108,7 +108,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     const u32 s_v = s_k + STAGES * KTile::BYTES;
     const FwdBarriers<Q_BUFFERS, STAGES> bar{s_v + STAGES * VTile::BYTES};
     const TileQueue<Cfg::TILE_SLOTS> queue{bar.base + 8u * Cfg::BARRIERS, params.tile_counter};
-    static_assert(decltype(queue)::BYTES == 16 * Cfg::TILE_SLOTS, "Sm90WsFwdConfig::SMEM_BYTES counts the queue so");
+    static_assert(decltype(queue)::BYTES == 24 * Cfg::TILE_SLOTS, "Sm90WsFwdConfig::SMEM_BYTES counts the queue so");
     // a "full" barrier takes one arrival per loading thread (TMA: the one that arms it)
     constexpr u32 LOADERS = TMA ? 1u : u32(Cfg::PRODUCER_THREADS);
     // thread 0 draws the tiles; the computing threads and the other loaders read them
