@@ -37,9 +37,10 @@ struct FwdBarriers {
 };
 
 // The kernel's record: AttnParams, then the maps the copy engine reads Q, K and V
-// through (TMA; unused otherwise), then the counter the blocks draw tiles from. Each map's dims, innermost first: columns, rows, then
-// MAP_BATCH_DIMS batch dims (the host pads the launch's batch to that many), one wide
-// where the tensor broadcasts (cuflash/_tensor_map.py: attention_maps).
+// through (TMA; unused otherwise), then the counter the blocks draw their tiles from.
+// Each map's dims, innermost first: columns, rows, then MAP_BATCH_DIMS batch dims (the
+// host pads the launch's batch to that many), one wide where the tensor broadcasts
+// (cuflash/_tensor_map.py: attention_maps).
 constexpr int MAP_BATCH_DIMS = 3;
 struct WsFwdParams {
     AttnParams attn;
