@@ -105,7 +105,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         lse = (cupy.empty(plan.shapes[1], dtype=cupy.float32) if return_lse
                else _launch.lse_sink(cupy, plan.device, out))
         lists = _tile_lists(cupy, plan.launches)
-        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES))
+        counter = _launch.tile_counter(cupy, plan.device) if plan.launches.counted else None
+        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), counter)
         for launch in plan.launches.runs:
             launch.run(arrays)
         if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0

@@ -31,6 +31,7 @@ KERNEL_FILES = (
     "attention/softmax.cuh",
     "attention/tile_config.cuh",
     "attention/schedule.cuh",
+    "attention/tile_queue.cuh",
     # prefill/ and decode/: the kernels
     "prefill/reduce.cuh",
     "decode/merge.cuh",

@@ -10,8 +10,8 @@ import numpy as np
 
 from . import _compile, _params, _tensor_map
 from ._launch import (
-    DECODE_FIELDS, DKDV_FIELDS, DQ_FIELDS, K_TILES, Q_TILES, KVCacheLaunches, Launch, Launches, TileListLaunch,
-    blocks_per_sm, sm_count,
+    DECODE_FIELDS, DKDV_FIELDS, DQ_FIELDS, FWD_FIELDS, K_TILES, Q_TILES, WS_FWD_FIELDS, KVCacheLaunches, Launch,
+    Launches, TileListLaunch, blocks_per_sm, sm_count,
 )
 from ._tiles import (
     ELEMENT_TYPES, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, fwd_name, fwd_tiles,
@@ -97,10 +97,10 @@ def forward_launches(x) -> Launches:
     if ws:
         # a grid that fits the GPU at once, each block running tiles in turn
         blocks = min(blocks, sm_count() * blocks_per_sm(fn, threads, smem))
-    main = Launch(fn, (blocks, max(1, cols)), threads, smem, params, maps=maps)
+    main = Launch(fn, (blocks, max(1, cols)), threads, smem, params, WS_FWD_FIELDS if ws else FWD_FIELDS, maps)
     if not capacity:
-        return Launches((main,))
-    return Launches((_tile_list(x, block_m, False, Q_TILES, capacity), main), ((Q_TILES, capacity),))
+        return Launches((main,), counted=ws)
+    return Launches((_tile_list(x, block_m, False, Q_TILES, capacity), main), ((Q_TILES, capacity),), counted=ws)
 
 
 def dkdv_layout(x, key_blocks: int, slots: int):

@@ -13,9 +13,10 @@ from . import _params
 
 # The arrays of a call, in the order the launches' ``fields`` index them: a record's
 # pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
-FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles")
-BWD_ARRAYS = FWD_ARRAYS + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
+FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles", "tile_counter")
+BWD_ARRAYS = FWD_ARRAYS[:8] + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
 FWD_FIELDS = tuple(range(8))
+WS_FWD_FIELDS = FWD_FIELDS + (FWD_ARRAYS.index("tile_counter"),)   # WsFwdParams' pointers
 DQ_FIELDS = tuple(range(8)) + tuple(range(9, 14))
 DKDV_FIELDS = tuple(range(7)) + tuple(range(8, 14))
 Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
@@ -100,6 +101,8 @@ class Launches:
     # grouped dk/dv: the kernels' dk and dv are (before, split, after, nk, d) over the
     # K/V entries, summed over `split` partial groups when split > 1; None: not grouped
     dkdv_entries: tuple[int, int, int] | None = None
+    # whether a run draws its tiles from the stream's tile counter (tile_counter)
+    counted: bool = False
 
 
 _occupancy: dict = {}
@@ -178,7 +181,8 @@ DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
 # straight from the driver (cupy.cuda.Memory), not from CuPy's pool, whose blocks are
 # ordered after the work of the one stream that freed them.
 _sinks: dict = {}        # device -> (pointer, (bytes,))
-_workspaces: dict = {}   # (device, stream) -> (pointer, (counter bytes, partial bytes))
+_workspaces: dict = {}   # stream_key -> (pointer, (counter bytes, partial bytes))
+_tile_counters: dict = {}   # stream_key -> (pointer, (bytes,))
 _held: list = []         # every block handed out, the replaced ones too
 _kept_lock = threading.Lock()
 
@@ -223,11 +227,33 @@ def lse_sink(cupy, device: int, out) -> int:
     return _kept(cupy, _sinks, device, (nbytes,), (1 << 16,), False)[0]
 
 
+# cudaStreamPerThread: one handle for a different stream in each host thread
+_PER_THREAD_STREAM = 2
+
+
+def _stream_key(device: int, stream: int) -> tuple:
+    """What tells the streams of kept per-stream memory apart: device and handle, and the
+    host thread for the per-thread default stream."""
+    return device, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0
+
+
 def split_workspace(cupy, device: int, stream: int, count_bytes: int, part_bytes: int) -> tuple[int, int]:
     """(counters, partials): pointers to at least ``count_bytes`` of zeroed counters and
     ``part_bytes`` for the float32 partials of split decoding on ``device`` (current), kept
     for the calls queued on ``stream`` alone: calls on one stream use them in turn, calls on
     two streams must not share them. The kernels leave the counters at zero."""
-    pointer, (counts, _) = _kept(cupy, _workspaces, (device, stream), (count_bytes, part_bytes), (1 << 12, 1 << 20),
-                                 True)
+    pointer, (counts, _) = _kept(cupy, _workspaces, _stream_key(device, stream), (count_bytes, part_bytes),
+                                 (1 << 12, 1 << 20), True)
     return pointer, pointer + counts
+
+
+def tile_counter(cupy, device: int) -> int:
+    """A pointer to a zeroed tile counter on ``device`` (current), which a persistent forward's
+    blocks draw their tiles from (kernels/attention/tile_queue.cuh) and leave at zero: the
+    current stream's, which its launches use in turn, as split_workspace's; or, while the
+    stream captures a CUDA graph, one of the graph's own, since a graph may be replayed on
+    any stream, beside the capturing stream's own calls."""
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        return _new_block(cupy, 256, True)
+    return _kept(cupy, _tile_counters, _stream_key(device, stream.ptr), (8,), (256,), True)[0]

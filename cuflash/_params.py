@@ -42,15 +42,17 @@ PARAMS_DTYPE = np.dtype(
 
 
 # kernels/prefill/attn_fwd_sm90_ws.cuh: WsFwdParams, AttnParams then three 128-byte tensor
-# maps from a 64-byte boundary (_tensor_map.attention_maps; zeros where the kernel loads by cp.async)
+# maps from a 64-byte boundary (_tensor_map.attention_maps; zeros where the kernel loads by
+# cp.async), then the pointer to the tile counter (_launch.tile_counter), padded to 64 bytes
 MAP_BYTES = 128
 WS_MAPS_OFFSET = -(-PARAMS_DTYPE.itemsize // 64) * 64
+WS_COUNTER_OFFSET = WS_MAPS_OFFSET + 3 * MAP_BYTES
 WS_PARAMS_DTYPE = np.dtype({
-    "names": list(PARAMS_DTYPE.names) + ["q_map", "k_map", "v_map"],
-    "formats": [PARAMS_DTYPE.fields[n][0] for n in PARAMS_DTYPE.names] + [(np.uint8, (MAP_BYTES,))] * 3,
+    "names": list(PARAMS_DTYPE.names) + ["q_map", "k_map", "v_map", "tile_counter"],
+    "formats": [PARAMS_DTYPE.fields[n][0] for n in PARAMS_DTYPE.names] + [(np.uint8, (MAP_BYTES,))] * 3 + [np.uint64],
     "offsets": [PARAMS_DTYPE.fields[n][1] for n in PARAMS_DTYPE.names]
-    + [WS_MAPS_OFFSET + i * MAP_BYTES for i in range(3)],
-    "itemsize": WS_MAPS_OFFSET + 3 * MAP_BYTES,
+    + [WS_MAPS_OFFSET + i * MAP_BYTES for i in range(3)] + [WS_COUNTER_OFFSET],
+    "itemsize": -(-(WS_COUNTER_OFFSET + 8) // 64) * 64,
 })
 
 
@@ -175,7 +177,7 @@ _POINTER_WORDS = {   # runs of consecutive words (slices assign faster than inde
     PARAMS_DTYPE: (slice(0, FWD_POINTERS),),
     BWD_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)),
     DECODE_PARAMS_DTYPE: (slice(0, len(DECODE_POINTERS)),),
-    WS_PARAMS_DTYPE: (slice(0, FWD_POINTERS),),
+    WS_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(WS_COUNTER_OFFSET // 8, WS_COUNTER_OFFSET // 8 + 1)),
 }
 
 

@@ -139,9 +139,10 @@ class Sm90WsFwdTiles:
         return self.q_buffers == 1
 
     def smem_bytes(self, itemsize: int) -> int:
-        # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers)
+        # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers,
+        # the tile queue's two 24-byte slots)
         tiles = (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
-        return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages)
+        return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages) + 24 * 2
 
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,

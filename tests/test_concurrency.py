@@ -309,3 +309,49 @@ def test_forward_without_lse_in_a_cuda_graph_and_on_two_streams():
     for i in range(2):
         for out in outs[i]:
             assert np.array_equal(cupy.asnumpy(out), alone[i])
+
+
+def _counter_words(pointer):
+    """The two words of a tile counter (kernels/attention/tile_queue.cuh) at ``pointer``."""
+    memory = cupy.cuda.UnownedMemory(pointer, 8, None)
+    return cupy.asnumpy(cupy.ndarray((2,), cupy.uint32, cupy.cuda.MemoryPointer(memory, 0))).tolist()
+
+
+def test_the_persistent_forward_draws_every_tile_and_leaves_its_counter_at_zero():
+    """A causal forward with many more tiles than blocks (the loading-warpgroup forward on
+    Hopper, whose blocks draw their tiles from the stream's counter): the same bits call
+    after call, the counter back at zero after each; captured in a CUDA graph, which gets a
+    counter of its own, and replayed on another stream while the capturing stream runs the
+    same call: every output still whole."""
+    from cuflash import _launch
+
+    rng = np.random.default_rng(19)
+    q, k, v = (random_array(rng, (4, 16, 1024, 128), "float16") for _ in range(3))
+    alone = cupy.asnumpy(cuflash.attention(q, k, v, causal=True))
+    assert not np.isnan(alone.astype(np.float32)).any()
+    device = cupy.cuda.Device().id
+    for _ in range(3):
+        assert np.array_equal(cupy.asnumpy(cuflash.attention(q, k, v, causal=True)), alone)
+        for pointer, _sizes in list(_launch._tile_counters.values()):
+            assert _counter_words(pointer) == [0, 0]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    with streams[0]:
+        cuflash.attention(q, k, v, causal=True)   # the stream's own counter, before the capture
+        eager_counter = _launch.tile_counter(cupy, device)
+        streams[0].begin_capture()
+        captured = cuflash.attention(q, k, v, causal=True)
+        graph = streams[0].end_capture()
+        captured.fill(np.nan)
+    streams[0].synchronize()
+    outs = []
+    for _ in range(10):
+        with streams[0]:
+            outs.append(cuflash.attention(q, k, v, causal=True))
+        with streams[1]:
+            graph.launch()
+    for stream in streams:
+        stream.synchronize()
+    assert np.array_equal(cupy.asnumpy(captured), alone)
+    for out in outs:
+        assert np.array_equal(cupy.asnumpy(out), alone)
+    assert _counter_words(eager_counter) == [0, 0]

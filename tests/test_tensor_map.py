@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import GPU_MISSING, random_array
 
-from cuflash import _tensor_map
+from cuflash import _launch, _tensor_map
 from cuflash._tensor_map import TileMap
 
 
@@ -229,14 +229,20 @@ def test_the_ws_record_holds_the_maps_after_attn_params():
     dtype = _params.WS_PARAMS_DTYPE
     assert dtype.fields["q_map"][1] == _params.WS_MAPS_OFFSET and _params.WS_MAPS_OFFSET % 64 == 0
     assert _params.WS_MAPS_OFFSET >= _params.PARAMS_DTYPE.itemsize
-    assert dtype.itemsize == _params.WS_MAPS_OFFSET + 3 * _params.MAP_BYTES
+    # then the tile counter's pointer, the record padded to the maps' 64-byte alignment
+    assert dtype.fields["tile_counter"][1] == _params.WS_COUNTER_OFFSET == _params.WS_MAPS_OFFSET + 3 * _params.MAP_BYTES
+    assert dtype.itemsize == -(-(_params.WS_COUNTER_OFFSET + 8) // 64) * 64
     for name in _params.PARAMS_DTYPE.names:   # AttnParams first, field for field
         assert dtype.fields[name][1] == _params.PARAMS_DTYPE.fields[name][1]
     record = _params.Record(np.zeros(1, dtype=dtype))
     maps = bytes(range(256)) + bytes(range(128))
     record.write(_params.WS_MAPS_OFFSET, maps)
+    pointers = [0x1000 * (i + 1) for i in range(len(_launch.WS_FWD_FIELDS))]
+    record.fill(pointers)
     view = record.view()
     assert bytes(view["q_map"]) + bytes(view["k_map"]) + bytes(view["v_map"]) == maps
+    assert [int(view[name]) for name in _params.PARAMS_DTYPE.names[:_params.FWD_POINTERS]] == pointers[:8]
+    assert int(view["tile_counter"]) == pointers[8]
     assert view["nq"] == 0 and record.buffer[0] == record.kernel_params + 8
 
 

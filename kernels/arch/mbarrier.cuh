@@ -39,6 +39,15 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
         "}\n" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// Place of the n-th use of a ring of STAGES buffers: the buffer and the parity of
+// the phase its "full" barrier completes for that use.
+template <int STAGES>
+struct RingSlot {
+    int stage;
+    u32 parity;
+    __device__ __forceinline__ explicit RingSlot(u32 n) : stage(int(n % STAGES)), parity((n / STAGES) & 1u) {}
+};
+
 // Warpgroup-wide register budget changes (all 128 threads of a warpgroup execute them):
 // loading warps give registers back, computing warps take them.
 template <int REGS> __device__ __forceinline__ void registers_release() {

@@ -87,8 +87,10 @@ struct Sm90FwdConfig {
 };
 
 // A block of one loading warpgroup (0) and two computing ones (1, 2). The loaders need
-// few registers and give them to the computing warpgroups (setmaxnreg):
-// 128 * PRODUCER_REGS + 256 * CONSUMER_REGS stays within the SM's 64K.
+// few registers and give them to the computing warpgroups (setmaxnreg): 128 *
+// PRODUCER_REGS + 256 * CONSUMER_REGS stays within what the block was launched with,
+// 168 per thread (65536 / 384, rounded down to the allocation unit of 8), or the
+// computing warpgroups' claim waits for registers that never come.
 template <int PRODUCER_REGS_, int CONSUMER_REGS_>
 struct LoadingWarpgroupBlock {
     static constexpr int THREADS = 384;
@@ -96,7 +98,9 @@ struct LoadingWarpgroupBlock {
     static constexpr int CONSUMER_THREADS = 256;
     static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
     static constexpr int CONSUMER_REGS = CONSUMER_REGS_;
-    static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "register file");
+    static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+    static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
+                  "registers the block does not hold");
 };
 
 // Hopper forward with a loading warpgroup (attn_fwd_sm90_ws.cuh): warpgroup 0 copies,
@@ -104,7 +108,7 @@ struct LoadingWarpgroupBlock {
 // buffers (two: the next tile's loads while the current one computes; one where two do
 // not fit, head dim 256), K and V a ring of STAGES.
 template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_>
-struct Sm90WsFwdConfig : LoadingWarpgroupBlock<40, 232> {
+struct Sm90WsFwdConfig : LoadingWarpgroupBlock<56, 224> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;
@@ -115,10 +119,13 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<40, 232> {
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
     using VTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
-    // barriers: q full/empty x Q_BUFFERS, k full/empty x STAGES, v full/empty x STAGES
+    // barriers: q full/empty x Q_BUFFERS, k full/empty x STAGES, v full/empty x STAGES;
+    // then the tile queue's slots, 24 bytes each (tile_queue.cuh: the next tile drawn
+    // while this one runs)
     static constexpr int BARRIERS = 2 * Q_BUFFERS + 4 * STAGES;
-    static constexpr int SMEM_BYTES =
-        1024 + Q_BUFFERS * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) + 8 * BARRIERS;
+    static constexpr int TILE_SLOTS = 2;
+    static constexpr int SMEM_BYTES = 1024 + Q_BUFFERS * QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES) +
+                                      8 * BARRIERS + 24 * TILE_SLOTS;
 };
 
 // Hopper backward passes with a loading warpgroup (attn_bwd_sm90_ws.cuh): warpgroup 0

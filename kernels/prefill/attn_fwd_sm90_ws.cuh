@@ -8,8 +8,9 @@
 // STAGES, each buffer guarded by a pair of mbarriers (full: the copies landed;
 // empty: its last reader is done). Warpgroups 1 and 2 only compute, each 64 rows of
 // a 128-row tile, with the same products and online softmax as attn_fwd_sm90. The
-// block is persistent: it runs tiles blockIdx.x, + gridDim.x, ... so the loads of
-// the next tile run under the products and the stores of this one.
+// block is persistent: it runs tiles in turn, drawing each next one from the launch's
+// counter (tile_queue.cuh), so the loads of the next tile run under the products and
+// the stores of this one, and the blocks finish together under a causal mask.
 //
 // The loads go one of two ways (TMA). With tensor maps, one thread of the loading
 // warpgroup issues each buffer's copies to the copy engine, a box of 64 columns per
@@ -35,23 +36,16 @@ struct FwdBarriers {
     __device__ __forceinline__ u32 v_empty(int s) const { return base + 8u * u32(2 * Q_BUFFERS + 3 * STAGES + s); }
 };
 
-// Place of the n-th use of a ring of STAGES buffers: the buffer and the parity of
-// the phase its "full" barrier completes for that use.
-template <int STAGES>
-struct RingSlot {
-    int stage;
-    u32 parity;
-    __device__ __forceinline__ explicit RingSlot(u32 n) : stage(int(n % STAGES)), parity((n / STAGES) & 1u) {}
-};
-
 // The kernel's record: AttnParams, then the maps the copy engine reads Q, K and V
-// through (TMA; unused otherwise). Each map's dims, innermost first: columns, rows, then
-// MAP_BATCH_DIMS batch dims (the host pads the launch's batch to that many), one wide
-// where the tensor broadcasts (cuflash/_tensor_map.py: attention_maps).
+// through (TMA; unused otherwise), then the counter the blocks draw their tiles from.
+// Each map's dims, innermost first: columns, rows, then MAP_BATCH_DIMS batch dims (the
+// host pads the launch's batch to that many), one wide where the tensor broadcasts
+// (cuflash/_tensor_map.py: attention_maps).
 constexpr int MAP_BATCH_DIMS = 3;
 struct WsFwdParams {
     AttnParams attn;
     TensorMap q_map, k_map, v_map;
+    u32* tile_counter;   // two words, zero before the launch and after it (TileQueue)
 };
 
 #ifdef CUFLASH_WS_PARAMS_BYTES
@@ -114,9 +108,14 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     const u32 s_k = s_q + Q_BUFFERS * QTile::BYTES;
     const u32 s_v = s_k + STAGES * KTile::BYTES;
     const FwdBarriers<Q_BUFFERS, STAGES> bar{s_v + STAGES * VTile::BYTES};
+    const TileQueue<Cfg::TILE_SLOTS> queue{bar.base + 8u * Cfg::BARRIERS, params.tile_counter};
+    static_assert(decltype(queue)::BYTES == 24 * Cfg::TILE_SLOTS, "Sm90WsFwdConfig::SMEM_BYTES counts the queue so");
     // a "full" barrier takes one arrival per loading thread (TMA: the one that arms it)
     constexpr u32 LOADERS = TMA ? 1u : u32(Cfg::PRODUCER_THREADS);
+    // thread 0 draws the tiles; the computing threads and the other loaders read them
+    constexpr u32 READERS = Cfg::CONSUMER_THREADS + (TMA ? 0u : LOADERS - 1u);
     if (threadIdx.x == 0) {
+        queue.init(READERS);
         for (int b = 0; b < Q_BUFFERS; ++b) {
             mbarrier_init(bar.q_full(b), LOADERS);
             mbarrier_init(bar.q_empty(b), Cfg::CONSUMER_THREADS);
@@ -164,24 +163,34 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 tma_prefetch(params.v_map);
             }
             // Q of each tile with keys, then its K and V blocks in the order they are read,
-            // each copy once its buffer's last reader is done
-            u32 q_uses = 0, kv_uses = 0;
-            for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
-                Work w;
-                if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
-                const Tile t(p, w);
-                if (t.nb_begin >= t.nb_end) continue;
-                const QSlot qs(q_uses++);
-                mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
-                copy(t, Source::Q, t.m0, s_q + qs.stage * QTile::BYTES, bar.q_full(qs.stage));
-                for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
-                    const Slot slot(kv_uses);
-                    mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
-                    copy(t, Source::K, nb * BLOCK_N, s_k + slot.stage * KTile::BYTES, bar.k_full(slot.stage));
-                    mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
-                    copy(t, Source::V, nb * BLOCK_N, s_v + slot.stage * VTile::BYTES, bar.v_full(slot.stage));
+            // each copy once its buffer's last reader is done; the next tile drawn once
+            // this one's copies are issued (a tile ahead of the computing warpgroups)
+            const bool draws = threadIdx.x == 0;
+            u32 q_uses = 0, kv_uses = 0, index = queue.first();
+            for (u32 n = 0;; ++n) {
+                if (draws) {
+                    queue.publish(n, index);
+                } else {
+                    index = queue.take(n);
                 }
+                Work w;
+                if (index >= num_tiles || !p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
+                const Tile t(p, w);
+                if (t.nb_begin < t.nb_end) {
+                    const QSlot qs(q_uses++);
+                    mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
+                    copy(t, Source::Q, t.m0, s_q + qs.stage * QTile::BYTES, bar.q_full(qs.stage));
+                    for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
+                        const Slot slot(kv_uses);
+                        mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
+                        copy(t, Source::K, nb * BLOCK_N, s_k + slot.stage * KTile::BYTES, bar.k_full(slot.stage));
+                        mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
+                        copy(t, Source::V, nb * BLOCK_N, s_v + slot.stage * VTile::BYTES, bar.v_full(slot.stage));
+                    }
+                }
+                if (draws) index = queue.draw();
             }
+            if (draws) queue.retire();
         }
         if constexpr (!TMA) cp_async_wait<0>();   // no copy outlives its thread (TMA's complete on the barriers)
         return;
@@ -228,9 +237,10 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     };
     if (consumer == 1) their_turn();
 
-    for (u32 index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+    for (u32 n = 0;; ++n) {
+        const u32 index = queue.take(n);
         Work w;
-        if (!p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
+        if (index >= num_tiles || !p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
         const Tile t(p, w);
         fill_zero(acc);
         OnlineSoftmax<T, 1> softmax(p.scale_log2);
