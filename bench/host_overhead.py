@@ -6,7 +6,7 @@ backward, against torch SDPA's, and where cuflash's time goes.
 A call whose kernels finish sooner than the host can issue the next call is timed by
 the benchmark (bench_attention.py, one synchronized call per sample) as host time plus
 kernel time. This prints, per provider: microseconds of host time per call on small
-inputs (the GPU never waits for the host's next call to be the bottleneck), and for the
+inputs, timed in batches of 100 calls with the GPU synchronized between them, and for the
 benchmark's D = 128, N = 2048 forward, the synchronized per-call median next to the
 back-to-back per-call time (kernels queued ahead, host time hidden). --profile adds a
 cProfile listing of cuflash's calls.
@@ -18,6 +18,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -35,16 +36,21 @@ import cupy  # noqa: E402
 from bench_attention import median_ms, queued_ms  # noqa: I001  (this directory)
 
 
-def host_us(fn, calls):
-    """Microseconds of host time per call (synchronized once at the end)."""
+def host_us(fn, calls, batch=100):
+    """Microseconds of host time per call: the median over batches of ``batch`` calls, the
+    GPU synchronized between batches (untimed). A batch's launches stay well inside the
+    driver's launch queue, so the host never waits for the GPU to make room in it, which
+    would count GPU time as host time."""
     fn()
     cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    cupy.cuda.Device().synchronize()
-    return (t1 - t0) / calls * 1e6
+    per_call = []
+    for _ in range(max(1, calls // batch)):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        per_call.append((time.perf_counter() - t0) / batch)
+        cupy.cuda.Device().synchronize()
+    return statistics.median(per_call) * 1e6
 
 
 def main():
