@@ -9,7 +9,6 @@ dtype or head dim is a table row, never a new kernel.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 
 # Head dims are padded (without copies: the loads zero-fill) to the next bucket.
@@ -145,18 +144,17 @@ class Sm90WsFwdTiles:
         return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages) + 24 * 2
 
 
-def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
-                      masked: bool = False) -> Sm90WsFwdTiles | None:
+def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
-    measurement (bench/NOTES.md v13, v17): head dims 64 and 128, except head dim 64 with at
-    most 128 keys per tile (of each sequence; the mean over packed ones), where blocks of one
-    warpgroup, four per SM, stay ahead; and head dim 256 without a mask (``masked``: causal
-    or a window), with one Q buffer and through tensor maps only (``maps_only``): there it
-    ran at 1.2-1.4x attn_fwd_sm90, under a causal mask at 0.84-0.99x. None elsewhere."""
+    measurement (bench/NOTES.md v13, v17, v19): head dims 64 and 128, except head dim 64 with
+    at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks of
+    one warpgroup, four per SM, stay ahead; and head dim 256, with one Q buffer and through
+    tensor maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask,
+    and with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere."""
     if dtype_name == "float32":
         return None
     if head_dim == 256:
-        return None if masked else Sm90WsFwdTiles(256, 64, stages=2, q_buffers=1)
+        return Sm90WsFwdTiles(256, 64, stages=2, q_buffers=1)
     if head_dim not in (64, 128):
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
@@ -164,10 +162,10 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     return Sm90WsFwdTiles(head_dim, 128, stages=2)
 
 
-def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, masked: bool = False):
+def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None):
     """The Hopper forward's kernel for a call: loading-warpgroup tiles (Sm90WsFwdTiles),
     attn_fwd_sm90 tiles (Sm90FwdTiles), or None where the portable kernel runs."""
-    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, masked)
+    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys)
     return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys)
 
 
@@ -380,8 +378,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             for packed in (False, True):
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
-                    for keys, masked in itertools.product(HOPPER_FWD_KEYS, (False, True)):
-                        tiles = hopper_fwd_tiles(dt, hd, keys, masked)
+                    for keys in HOPPER_FWD_KEYS:
+                        tiles = hopper_fwd_tiles(dt, hd, keys)
                         variants = [tiles]
                         if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
                             variants = [dataclasses.replace(tiles, tma=True)] if not packed else []
