@@ -45,7 +45,8 @@ FWD_CANDIDATES = {
 # softmaxes overlap each other's products without a barrier between them)
 SM90_FWD_CANDIDATES = {
     64: [("ws", 128, 2), ("ws", 128, 2, True), (64, 2, 2, 1), (64, 1, 2, 3), (64, 1, 2, 4), (128, 1, 2, 2)],
-    128: [("ws", 128, 2), ("ws", 128, 2, True), (128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
+    128: [("ws", 128, 2), ("ws", 128, 2, True), ("ws", 176, 2, False, 1), (128, 2, 2, 1), (64, 2, 2, 1),
+          (64, 1, 2, 2)],
     256: [(64, 2, 2, 1), ("ws", 64, 2, False, 1), ("ws", 64, 2, True, 1)],
 }
 

@@ -312,14 +312,18 @@ def test_the_loading_warpgroup_forward_through_maps(name, dtype, d, causal):
     assert bool((again == out).all())   # deterministic, through the kept maps
 
 
-@pytest.mark.parametrize("d, block_n, q_buffers", [(64, 128, 2), (128, 128, 2), (256, 64, 1), (200, 64, 1)])
-@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("d, block_n, q_buffers, pingpong", [
+    (64, 128, 2, False), (64, 128, 2, True), (128, 128, 2, False), (128, 128, 2, True), (256, 64, 1, False),
+    (256, 64, 1, True), (200, 64, 1, False), (200, 64, 1, True),
+    (128, 176, 1, False),   # 176-key blocks: one Q buffer beside them; no turns (they spill by cp.async)
+])
 @pytest.mark.parametrize("loader", ["tma", "cp.async"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, block_n, q_buffers, pingpong, loader,
                                                             causal):
     """The shapes bench/tune_tiles.py may time (turns between the computing warpgroups, one Q
-    buffer at head dim 256), by either loader, on a problem of more tiles than blocks."""
+    buffer at head dim 256, 176-key blocks at 128), by either loader, on a problem of more
+    tiles than blocks."""
     sm90_or_skip()
     import cupy
     from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations

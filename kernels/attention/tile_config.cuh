@@ -107,8 +107,8 @@ struct LoadingWarpgroupBlock {
 // warpgroups 1 and 2 compute 64 query rows each of a 128-row tile. Q has Q_BUFFERS
 // buffers (two: the next tile's loads while the current one computes; one where two do
 // not fit, head dim 256), K and V a ring of STAGES.
-template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_>
-struct Sm90WsFwdConfig : LoadingWarpgroupBlock<56, 224> {
+template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_, bool TMA_LOADS>
+struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS ? 24 : 56, TMA_LOADS ? 240 : 224> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;

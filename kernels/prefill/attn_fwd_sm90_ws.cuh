@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(384, 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
     const AttnParams& p = params.attn;
-    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS>;
+    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS, TMA>;
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
