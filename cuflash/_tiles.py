@@ -120,7 +120,7 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
 @dataclass(frozen=True)
 class Sm90WsFwdTiles:
     """Tile shape of the Hopper forward with a loading warpgroup (kernels/prefill/attn_fwd_sm90_ws.cuh):
-    128 query rows per tile over two computing warpgroups, one block per SM running tiles in turn."""
+    64 query rows per computing warpgroup (two, or three), one block per SM running tiles in turn."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     block_n: int  # keys per ring buffer
@@ -128,8 +128,15 @@ class Sm90WsFwdTiles:
     tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
     pingpong: bool = False  # the computing warpgroups take turns issuing their products
     q_buffers: int = 2  # Q tiles in flight: the next tile's loads under this one's products
-    block_m = 128
-    threads = 384
+    consumers: int = 2  # computing warpgroups
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
 
     @property
     def maps_only(self) -> bool:
@@ -184,7 +191,8 @@ HOPPER_FWD_KEYS = (128, 2048)
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
-    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>"
+    return (f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {t.consumers}, "
+            f"{_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>")
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
