@@ -144,6 +144,12 @@ class Sm90WsFwdTiles:
         loader ran at 0.5-0.8x attn_fwd_sm90 (bench/NOTES.md v17)."""
         return self.q_buffers == 1
 
+    def without_maps(self) -> Sm90WsFwdTiles | None:
+        """These tiles where no tensor map describes the inputs (packed sequences, strides a
+        map cannot hold): loaded by cp.async with two computing warpgroups (three would
+        spill beside that loader's registers), or None where they run through maps only."""
+        return None if self.maps_only else dataclasses.replace(self, tma=False, consumers=2)
+
     def smem_bytes(self, itemsize: int) -> int:
         # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers,
         # the tile queue's two 24-byte slots)
@@ -153,11 +159,13 @@ class Sm90WsFwdTiles:
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
-    measurement (bench/NOTES.md v13, v17, v19): head dims 64 and 128, except head dim 64 with
-    at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks of
-    one warpgroup, four per SM, stay ahead; and head dim 256, with one Q buffer and through
-    tensor maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask,
-    and with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere."""
+    measurement (bench/NOTES.md v13, v17, v19, v20): head dims 64 and 128, except head dim 64
+    with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
+    of one warpgroup, four per SM, stay ahead; at head dim 64 three computing warpgroups
+    (1.01-1.12x two, through maps); and head dim 256, with one Q buffer and through tensor
+    maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask, and
+    with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere.
+    These are the tiles through maps; ``without_maps`` gives the others."""
     if dtype_name == "float32":
         return None
     if head_dim == 256:
@@ -166,7 +174,7 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         return None
-    return Sm90WsFwdTiles(head_dim, 128, stages=2)
+    return Sm90WsFwdTiles(head_dim, 128, stages=2, consumers=3 if head_dim == 64 else 2)
 
 
 def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None):
@@ -391,10 +399,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                         variants = [tiles]
                         if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
                             variants = [dataclasses.replace(tiles, tma=True)] if not packed else []
-                            if not tiles.maps_only:
-                                variants.append(tiles)
-                            else:   # (where no maps fit, attn_fwd_sm90)
-                                variants.append(sm90_fwd_tiles(dt, hd, keys))
+                            # (where no maps fit: by cp.async, or attn_fwd_sm90)
+                            variants.append(tiles.without_maps() or sm90_fwd_tiles(dt, hd, keys))
                         for t in variants:
                             name = hopper_fwd_name(dt, t, packed)
                             if name not in names:

@@ -65,7 +65,7 @@ def test_hopper_specializations_fit_shared_memory():
                         tiles = _tiles.hopper_fwd_tiles(dt, hd, keys)
                         picks = [tiles]
                         if isinstance(tiles, _tiles.Sm90WsFwdTiles):
-                            fallback = _tiles.sm90_fwd_tiles(dt, hd, keys) if tiles.maps_only else tiles
+                            fallback = tiles.without_maps() or _tiles.sm90_fwd_tiles(dt, hd, keys)
                             picks = [fallback] + ([] if packed else [dataclasses.replace(tiles, tma=True)])
                         for t in picks:
                             assert _tiles.hopper_fwd_name(dt, t, packed) in names

@@ -110,9 +110,10 @@ struct LoadingWarpgroupBlock {
 // tile. Q has Q_BUFFERS buffers (two: the next tile's loads while the current one
 // computes; one where two do not fit, head dim 256), K and V a ring of STAGES. Loading
 // through the copy engine (TMA_LOADS), the one loading thread needs 24 registers; by
-// cp.async, with its address arithmetic, 56.
+// cp.async, with its address arithmetic, 56. (Head dim 256 keeps 56 either way: its
+// computing warpgroups ran 4 % slower with the 16 more registers, bench/NOTES.md v20.)
 template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_, bool TMA_LOADS, int CONSUMERS>
-struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS ? 24 : 56, CONSUMERS> {
+struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 24 : 56, CONSUMERS> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;
