@@ -157,12 +157,16 @@ class Sm90WsFwdTiles:
         return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages) + 24 * 2
 
 
+SM90_WS_FWD_D64_THREE_FROM_KEYS = 2048
+
+
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
     measurement (bench/NOTES.md v13, v17, v19, v20): head dims 64 and 128, except head dim 64
     with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
-    of one warpgroup, four per SM, stay ahead; at head dim 64 three computing warpgroups
-    (1.01-1.12x two, through maps); and head dim 256, with one Q buffer and through tensor
+    of one warpgroup, four per SM, stay ahead; at head dim 64 from 2048 keys three computing
+    warpgroups (1.01-1.12x two, through maps; shorter, the 192-row tiles lost up to 11 %
+    under a causal mask); and head dim 256, with one Q buffer and through tensor
     maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask, and
     with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere.
     These are the tiles through maps; ``without_maps`` gives the others."""
@@ -174,7 +178,8 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         return None
-    return Sm90WsFwdTiles(head_dim, 128, stages=2, consumers=3 if head_dim == 64 else 2)
+    three = head_dim == 64 and (keys is None or keys >= SM90_WS_FWD_D64_THREE_FROM_KEYS)
+    return Sm90WsFwdTiles(head_dim, 128, stages=2, consumers=3 if three else 2)
 
 
 def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None):
@@ -193,7 +198,7 @@ def hopper_fwd_name(dtype_name: str, tiles, packed: bool = False) -> str:
 
 # Keys per tile on either side of where the Hopper forward's choice of kernel changes
 # (hopper_fwd_tiles), for the list of specializations
-HOPPER_FWD_KEYS = (128, 2048)
+HOPPER_FWD_KEYS = (128, SM90_WS_FWD_D64_THREE_FROM_KEYS // 2, SM90_WS_FWD_D64_THREE_FROM_KEYS)
 
 
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:

@@ -77,6 +77,12 @@ def test_hopper_specializations_fit_shared_memory():
                 ws = _tiles.sm90_ws_fwd_tiles(dt, hd, 5000)
                 assert (ws is not None) == (hd in (64, 128, 256))
                 assert (_tiles.sm90_ws_fwd_tiles(dt, hd, 100) is not None) == (hd in (128, 256))
+                if ws is not None:   # three computing warpgroups at head dim 64 from 2048 keys, through maps only
+                    three = hd == 64
+                    assert ws.consumers == (3 if three else 2) and ws.block_m == 64 * ws.consumers
+                    assert _tiles.sm90_ws_fwd_tiles(dt, hd, 2047).consumers == 2
+                    fallback = ws.without_maps()
+                    assert fallback is None if ws.maps_only else (fallback.consumers == 2 and not fallback.tma)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _tiles.sm90_fwd_tiles("float32", 64) is None
