@@ -38,14 +38,17 @@ FWD_CANDIDATES = {
     128: [(128, 32, 4), (128, 64, 4)],
     256: [(64, 32, 4), (64, 64, 4)],
 }
-# The Hopper forward (sm_90a only): ("ws", block_n, stages[, pingpong[, q_buffers]]) for the
+# The Hopper forward (sm_90a only): ("ws", block_n, stages[, pingpong[, q_buffers[, consumers]]]) for the
 # kernel with a loading warpgroup (through tensor maps where they describe the inputs; pingpong:
-# its computing warpgroups take turns issuing products; one Q buffer where two do not fit), else (block_n, warpgroups, stages, min_blocks) of
+# its computing warpgroups take turns issuing products; one Q buffer where two do not fit; three
+# computing warpgroups of 64 rows each, through tensor maps only), else (block_n, warpgroups, stages, min_blocks) of
 # attn_fwd_sm90 (one warpgroup per block and 2-4 blocks per SM: the blocks' prologues and
 # softmaxes overlap each other's products without a barrier between them)
 SM90_FWD_CANDIDATES = {
-    64: [("ws", 128, 2), ("ws", 128, 2, True), (64, 2, 2, 1), (64, 1, 2, 3), (64, 1, 2, 4), (128, 1, 2, 2)],
-    128: [("ws", 128, 2), ("ws", 128, 2, True), (128, 2, 2, 1), (64, 2, 2, 1), (64, 1, 2, 2)],
+    64: [("ws", 128, 2), ("ws", 128, 2, True), ("ws", 128, 2, False, 2, 3), (64, 2, 2, 1), (64, 1, 2, 3),
+         (64, 1, 2, 4), (128, 1, 2, 2)],
+    128: [("ws", 128, 2), ("ws", 128, 2, True), ("ws", 176, 2, False, 1), (128, 2, 2, 1), (64, 2, 2, 1),
+          (64, 1, 2, 2)],
     256: [(64, 2, 2, 1), ("ws", 64, 2, False, 1), ("ws", 64, 2, True, 1)],
 }
 
@@ -55,7 +58,8 @@ def hopper_fwd(d, *cand):
     if cand[0] == "ws":
         block_n, stages = cand[1:3]
         pingpong, q_buffers = (cand[3] if len(cand) > 3 else False), (cand[4] if len(cand) > 4 else 2)
-        return _tiles.Sm90WsFwdTiles(d, block_n, stages, pingpong=pingpong, q_buffers=q_buffers)
+        consumers = cand[5] if len(cand) > 5 else 2
+        return _tiles.Sm90WsFwdTiles(d, block_n, stages, pingpong=pingpong, q_buffers=q_buffers, consumers=consumers)
     return Sm90FwdTiles(d, *cand)
 # (dkdv_dcol, dq_dcol, step, warpgroups, stages, min_blocks[, wide_dkdv, dq_step, dq_stages, dkdv_ws_stages,
 # dq_ws_stages]) of the Hopper backward (ws stages: the passes on a loading warpgroup)

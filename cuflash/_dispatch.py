@@ -71,15 +71,14 @@ def forward_launches(x) -> Launches:
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
-    masked = x.left is not None or x.right is not None
-    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, masked) if _compile.current_arch() == "sm_90a" else None
+    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys) if _compile.current_arch() == "sm_90a" else None
     maps = None
     if isinstance(hopper, Sm90WsFwdTiles):   # through the copy engine where maps describe the inputs
         maps = _tensor_map.attention_maps(x, hopper.block_m, hopper.block_n)
-        if maps is None and hopper.maps_only:
-            hopper = sm90_fwd_tiles(x.dtype_name, head_dim, keys)
+        if maps is None:
+            hopper = hopper.without_maps() or sm90_fwd_tiles(x.dtype_name, head_dim, keys)
         else:
-            hopper = dataclasses.replace(hopper, tma=maps is not None)
+            hopper = dataclasses.replace(hopper, tma=True)
     if hopper is not None:
         smem, block_m, threads, cols = hopper.smem_bytes(itemsize), hopper.block_m, hopper.threads, 1
         fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed), smem)

@@ -9,7 +9,6 @@ dtype or head dim is a table row, never a new kernel.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 
 # Head dims are padded (without copies: the loads zero-fill) to the next bucket.
@@ -121,7 +120,7 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
 @dataclass(frozen=True)
 class Sm90WsFwdTiles:
     """Tile shape of the Hopper forward with a loading warpgroup (kernels/prefill/attn_fwd_sm90_ws.cuh):
-    128 query rows per tile over two computing warpgroups, one block per SM running tiles in turn."""
+    64 query rows per computing warpgroup (two, or three), one block per SM running tiles in turn."""
 
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     block_n: int  # keys per ring buffer
@@ -129,14 +128,27 @@ class Sm90WsFwdTiles:
     tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
     pingpong: bool = False  # the computing warpgroups take turns issuing their products
     q_buffers: int = 2  # Q tiles in flight: the next tile's loads under this one's products
-    block_m = 128
-    threads = 384
+    consumers: int = 2  # computing warpgroups
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
 
     @property
     def maps_only(self) -> bool:
         """Whether the tiles run only through tensor maps: with one Q buffer the cp.async
         loader ran at 0.5-0.8x attn_fwd_sm90 (bench/NOTES.md v17)."""
         return self.q_buffers == 1
+
+    def without_maps(self) -> Sm90WsFwdTiles | None:
+        """These tiles where no tensor map describes the inputs (packed sequences, strides a
+        map cannot hold): loaded by cp.async with two computing warpgroups (three would
+        spill beside that loader's registers), or None where they run through maps only."""
+        return None if self.maps_only else dataclasses.replace(self, tma=False, consumers=2)
 
     def smem_bytes(self, itemsize: int) -> int:
         # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers,
@@ -145,29 +157,35 @@ class Sm90WsFwdTiles:
         return 1024 + tiles + 8 * (2 * self.q_buffers + 4 * self.stages) + 24 * 2
 
 
-def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
-                      masked: bool = False) -> Sm90WsFwdTiles | None:
+SM90_WS_FWD_D64_THREE_FROM_KEYS = 2048
+
+
+def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
-    measurement (bench/NOTES.md v13, v17): head dims 64 and 128, except head dim 64 with at
-    most 128 keys per tile (of each sequence; the mean over packed ones), where blocks of one
-    warpgroup, four per SM, stay ahead; and head dim 256 without a mask (``masked``: causal
-    or a window), with one Q buffer and through tensor maps only (``maps_only``): there it
-    ran at 1.2-1.4x attn_fwd_sm90, under a causal mask at 0.84-0.99x. None elsewhere."""
+    measurement (bench/NOTES.md v13, v17, v19, v20): head dims 64 and 128, except head dim 64
+    with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
+    of one warpgroup, four per SM, stay ahead; at head dim 64 from 2048 keys three computing
+    warpgroups (1.01-1.12x two, through maps; shorter, the 192-row tiles lost up to 11 %
+    under a causal mask); and head dim 256, with one Q buffer and through tensor
+    maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask, and
+    with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere.
+    These are the tiles through maps; ``without_maps`` gives the others."""
     if dtype_name == "float32":
         return None
     if head_dim == 256:
-        return None if masked else Sm90WsFwdTiles(256, 64, stages=2, q_buffers=1)
+        return Sm90WsFwdTiles(256, 64, stages=2, q_buffers=1)
     if head_dim not in (64, 128):
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         return None
-    return Sm90WsFwdTiles(head_dim, 128, stages=2)
+    three = head_dim == 64 and (keys is None or keys >= SM90_WS_FWD_D64_THREE_FROM_KEYS)
+    return Sm90WsFwdTiles(head_dim, 128, stages=2, consumers=3 if three else 2)
 
 
-def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, masked: bool = False):
+def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None):
     """The Hopper forward's kernel for a call: loading-warpgroup tiles (Sm90WsFwdTiles),
     attn_fwd_sm90 tiles (Sm90FwdTiles), or None where the portable kernel runs."""
-    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, masked)
+    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys)
     return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys)
 
 
@@ -180,13 +198,14 @@ def hopper_fwd_name(dtype_name: str, tiles, packed: bool = False) -> str:
 
 # Keys per tile on either side of where the Hopper forward's choice of kernel changes
 # (hopper_fwd_tiles), for the list of specializations
-HOPPER_FWD_KEYS = (128, 2048)
+HOPPER_FWD_KEYS = (128, SM90_WS_FWD_D64_THREE_FROM_KEYS // 2, SM90_WS_FWD_D64_THREE_FROM_KEYS)
 
 
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
-    return f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>"
+    return (f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {t.consumers}, "
+            f"{_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>")
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
@@ -380,15 +399,13 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             for packed in (False, True):
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
-                    for keys, masked in itertools.product(HOPPER_FWD_KEYS, (False, True)):
-                        tiles = hopper_fwd_tiles(dt, hd, keys, masked)
+                    for keys in HOPPER_FWD_KEYS:
+                        tiles = hopper_fwd_tiles(dt, hd, keys)
                         variants = [tiles]
                         if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
                             variants = [dataclasses.replace(tiles, tma=True)] if not packed else []
-                            if not tiles.maps_only:
-                                variants.append(tiles)
-                            else:   # (where no maps fit, attn_fwd_sm90)
-                                variants.append(sm90_fwd_tiles(dt, hd, keys))
+                            # (where no maps fit: by cp.async, or attn_fwd_sm90)
+                            variants.append(tiles.without_maps() or sm90_fwd_tiles(dt, hd, keys))
                         for t in variants:
                             name = hopper_fwd_name(dt, t, packed)
                             if name not in names:

@@ -58,14 +58,14 @@ def test_hopper_specializations_fit_shared_memory():
             assert (fwd is None) == (bwd is None) == (hd % 64 != 0 or hd == 192)
             if fwd is not None:
                 for packed in (False, True):
-                    # every kernel the forward picks, by keys per tile and mask, is compiled and
-                    # fits: the loading-warpgroup tiles through maps where dense, by cp.async
-                    # where no map fits, or (maps_only) attn_fwd_sm90 there
-                    for keys, masked in itertools.product((64, 100, 128, 200, 1000, 5000), (False, True)):
-                        tiles = _tiles.hopper_fwd_tiles(dt, hd, keys, masked)
+                    # every kernel the forward picks, by keys per tile, is compiled and fits:
+                    # the loading-warpgroup tiles through maps where dense, by cp.async where
+                    # no map fits, or (maps_only) attn_fwd_sm90 there
+                    for keys in (64, 100, 128, 200, 1000, 5000):
+                        tiles = _tiles.hopper_fwd_tiles(dt, hd, keys)
                         picks = [tiles]
                         if isinstance(tiles, _tiles.Sm90WsFwdTiles):
-                            fallback = _tiles.sm90_fwd_tiles(dt, hd, keys) if tiles.maps_only else tiles
+                            fallback = tiles.without_maps() or _tiles.sm90_fwd_tiles(dt, hd, keys)
                             picks = [fallback] + ([] if packed else [dataclasses.replace(tiles, tma=True)])
                         for t in picks:
                             assert _tiles.hopper_fwd_name(dt, t, packed) in names
@@ -76,8 +76,13 @@ def test_hopper_specializations_fit_shared_memory():
                         assert tiles.dkdv_smem_bytes(2) <= 232448
                 ws = _tiles.sm90_ws_fwd_tiles(dt, hd, 5000)
                 assert (ws is not None) == (hd in (64, 128, 256))
-                assert (_tiles.sm90_ws_fwd_tiles(dt, hd, 5000, masked=True) is not None) == (hd in (64, 128))
                 assert (_tiles.sm90_ws_fwd_tiles(dt, hd, 100) is not None) == (hd in (128, 256))
+                if ws is not None:   # three computing warpgroups at head dim 64 from 2048 keys, through maps only
+                    three = hd == 64
+                    assert ws.consumers == (3 if three else 2) and ws.block_m == 64 * ws.consumers
+                    assert _tiles.sm90_ws_fwd_tiles(dt, hd, 2047).consumers == 2
+                    fallback = ws.without_maps()
+                    assert fallback is None if ws.maps_only else (fallback.consumers == 2 and not fallback.tma)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _tiles.sm90_fwd_tiles("float32", 64) is None

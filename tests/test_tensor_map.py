@@ -312,14 +312,23 @@ def test_the_loading_warpgroup_forward_through_maps(name, dtype, d, causal):
     assert bool((again == out).all())   # deterministic, through the kept maps
 
 
-@pytest.mark.parametrize("d, block_n, q_buffers", [(64, 128, 2), (128, 128, 2), (256, 64, 1), (200, 64, 1)])
-@pytest.mark.parametrize("pingpong", [False, True])
-@pytest.mark.parametrize("loader", ["tma", "cp.async"])
+# (d, block_n, q_buffers, pingpong, computing warpgroups, loader)
+WS_VARIANTS = [(d, block_n, q_buffers, pingpong, 2, loader)
+               for d, block_n, q_buffers in ((64, 128, 2), (128, 128, 2), (256, 64, 1), (200, 64, 1))
+               for pingpong in (False, True) for loader in ("tma", "cp.async")]
+WS_VARIANTS += [
+    (128, 176, 1, False, 2, "tma"), (128, 176, 1, False, 2, "cp.async"),   # 176-key blocks, one Q buffer
+    (64, 128, 2, False, 3, "tma"),   # three computing warpgroups (through maps: by cp.async they spill)
+]
+
+
+@pytest.mark.parametrize("d, block_n, q_buffers, pingpong, consumers, loader", WS_VARIANTS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, block_n, q_buffers, pingpong, loader,
-                                                            causal):
+def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, block_n, q_buffers, pingpong, consumers,
+                                                            loader, causal):
     """The shapes bench/tune_tiles.py may time (turns between the computing warpgroups, one Q
-    buffer at head dim 256), by either loader, on a problem of more tiles than blocks."""
+    buffer at head dim 256, 176-key blocks at 128, three computing warpgroups at 64), by
+    either loader where it fits, on a problem of more tiles than blocks."""
     sm90_or_skip()
     import cupy
     from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
@@ -327,14 +336,16 @@ def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, bloc
     import cuflash
     from cuflash import _dispatch, _plans, _tiles, naive, reference
 
-    tiles = _tiles.Sm90WsFwdTiles(_tiles.head_dim_bucket(d, d), block_n, 2, pingpong=pingpong, q_buffers=q_buffers)
+    tiles = _tiles.Sm90WsFwdTiles(_tiles.head_dim_bucket(d, d), block_n, 2, pingpong=pingpong, q_buffers=q_buffers,
+                                  consumers=consumers)
     monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles)
     if loader == "cp.async":
         monkeypatch.setattr(_tensor_map, "attention_maps", lambda *args: None)
     _plans.clear()
     try:
         rng = np.random.default_rng(d + 7 * pingpong + causal)
-        q, k, v = (random_array(rng, (4, 8, n, d), "bfloat16") for n in (700, 650, 650))   # 192 tiles: blocks run two in turn
+        nq = 700 if consumers == 2 else 1000   # 192 tiles either way: blocks run two in turn
+        q, k, v = (random_array(rng, (4, 8, n, d), "bfloat16") for n in (nq, 650, 650))
         q = q * 4
         with poisoned_allocations():
             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)

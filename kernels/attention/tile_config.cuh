@@ -86,35 +86,40 @@ struct Sm90FwdConfig {
     static constexpr int SMEM_BYTES = 1024 + QTile::BYTES + STAGES * (KTile::BYTES + VTile::BYTES);
 };
 
-// A block of one loading warpgroup (0) and two computing ones (1, 2). The loaders need
-// few registers and give them to the computing warpgroups (setmaxnreg): 128 *
-// PRODUCER_REGS + 256 * CONSUMER_REGS stays within what the block was launched with,
-// 168 per thread (65536 / 384, rounded down to the allocation unit of 8), or the
-// computing warpgroups' claim waits for registers that never come.
-template <int PRODUCER_REGS_, int CONSUMER_REGS_>
+// A block of one loading warpgroup (0) and CONSUMER_WARPGROUPS computing ones (1, ...).
+// The loaders keep PRODUCER_REGS registers and give the rest to the computing
+// warpgroups (setmaxnreg): all of them together stay within what the block was
+// launched with, 65536 / THREADS per thread rounded down to the allocation unit of 8
+// (168 with two computing warpgroups, 128 with three), or the computing warpgroups'
+// claim waits for registers that never come. So CONSUMER_REGS is what is left: 240
+// beside 24-register loaders with two, 160 with three.
+template <int PRODUCER_REGS_, int CONSUMER_WARPGROUPS = 2>
 struct LoadingWarpgroupBlock {
-    static constexpr int THREADS = 384;
+    static constexpr int THREADS = 128 * (1 + CONSUMER_WARPGROUPS);
     static constexpr int PRODUCER_THREADS = 128;
-    static constexpr int CONSUMER_THREADS = 256;
-    static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
-    static constexpr int CONSUMER_REGS = CONSUMER_REGS_;
+    static constexpr int CONSUMER_THREADS = 128 * CONSUMER_WARPGROUPS;
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
-    static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
-                  "registers the block does not hold");
+    static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
+    static constexpr int CONSUMER_REGS =
+        (THREADS * LAUNCH_REGS - PRODUCER_THREADS * PRODUCER_REGS) / CONSUMER_THREADS / 8 * 8;
+    static_assert(CONSUMER_REGS <= 256 && PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24, "setmaxnreg's range");
 };
 
 // Hopper forward with a loading warpgroup (attn_fwd_sm90_ws.cuh): warpgroup 0 copies,
-// warpgroups 1 and 2 compute 64 query rows each of a 128-row tile. Q has Q_BUFFERS
-// buffers (two: the next tile's loads while the current one computes; one where two do
-// not fit, head dim 256), K and V a ring of STAGES.
-template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_>
-struct Sm90WsFwdConfig : LoadingWarpgroupBlock<56, 224> {
+// CONSUMERS warpgroups (two or three) compute 64 query rows each of a 64 * CONSUMERS-row
+// tile. Q has Q_BUFFERS buffers (two: the next tile's loads while the current one
+// computes; one where two do not fit, head dim 256), K and V a ring of STAGES. Loading
+// through the copy engine (TMA_LOADS), the one loading thread needs 24 registers; by
+// cp.async, with its address arithmetic, 56. (Head dim 256 keeps 56 either way: its
+// computing warpgroups ran 4 % slower with the 16 more registers, bench/NOTES.md v20.)
+template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_, bool TMA_LOADS, int CONSUMERS>
+struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 24 : 56, CONSUMERS> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;
     static constexpr int STAGES = STAGES_;
     static constexpr int Q_BUFFERS = Q_BUFFERS_;
-    static constexpr int BLOCK_M = 128;
+    static constexpr int BLOCK_M = 64 * CONSUMERS;
 
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
@@ -136,7 +141,7 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<56, 224> {
 // delta (the dk/dv passes). The D 128 dk/dv pass needs 240 registers per computing
 // thread (it spills at 216).
 template <class T, int HEAD_DIM_, int RESIDENT_, int STEP_, int STAGES_, bool ROW_STATS>
-struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24, 240> {
+struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int STEP = STEP_;

@@ -6,8 +6,10 @@
 // the time. Here warpgroup 0 only loads: it walks the block's tiles ahead
 // of the others, copying Q into one of Q_BUFFERS buffers and K, V blocks into a ring of
 // STAGES, each buffer guarded by a pair of mbarriers (full: the copies landed;
-// empty: its last reader is done). Warpgroups 1 and 2 only compute, each 64 rows of
-// a 128-row tile, with the same products and online softmax as attn_fwd_sm90. The
+// empty: its last reader is done). The CONSUMERS warpgroups after it (two, or three
+// at head dim 64, where a tile's exponentials weigh most against its products) only
+// compute, each 64 rows of the tile, with the same products and online softmax as
+// attn_fwd_sm90. The
 // block is persistent: it runs tiles in turn, drawing each next one from the launch's
 // counter (tile_queue.cuh), so the loads of the next tile run under the products and
 // the stores of this one, and the blocks finish together under a causal mask.
@@ -86,12 +88,14 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32
 
 enum class Source { Q, K, V };   // what a loader's copy brings
 
-template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, bool PACKED, bool TMA, bool PINGPONG>
-__global__ void __launch_bounds__(384, 1)
+template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, int CONSUMERS, bool PACKED, bool TMA,
+          bool PINGPONG>
+__global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
+    static_assert(!PINGPONG || CONSUMERS == 2, "turns are taken by two computing warpgroups");
     const AttnParams& p = params.attn;
-    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS>;
+    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS, TMA, CONSUMERS>;
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
@@ -205,7 +209,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         if constexpr (!TMA) fence_async_shared();
     };
     registers_claim<Cfg::CONSUMER_REGS>();
-    const int consumer = int(threadIdx.x) / 128 - 1;                    // 0 or 1
+    const int consumer = int(threadIdx.x) / 128 - 1;                    // 0 .. CONSUMERS - 1
     const int group_row0 = consumer * 64;                               // this warpgroup's rows
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's rows
     const float scale_log2 = float(p.scale_log2);
