@@ -229,12 +229,23 @@ def lse_sink(cupy, device: int, out) -> int:
 
 # cudaStreamPerThread: one handle for a different stream in each host thread
 _PER_THREAD_STREAM = 2
+_this_thread = threading.local()
+
+
+def _thread_token() -> object:
+    """An object of this host thread's alone, never another's: unlike a thread id, which a
+    new thread may reuse while work of the old one's per-thread stream is still queued."""
+    token = getattr(_this_thread, "token", None)
+    if token is None:
+        token = _this_thread.token = object()
+    return token
 
 
 def _stream_key(device: int, stream: int) -> tuple:
     """What tells the streams of kept per-stream memory apart: device and handle, and the
-    host thread for the per-thread default stream."""
-    return device, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0
+    host thread for the per-thread default stream (the key holds its token, so no later
+    thread gets the same one)."""
+    return device, stream, _thread_token() if stream == _PER_THREAD_STREAM else None
 
 
 def split_workspace(cupy, device: int, stream: int, count_bytes: int, part_bytes: int) -> tuple[int, int]:

@@ -290,3 +290,30 @@ def test_window_sides_reach_every_key_and_fit_an_int():
         assert (nq - 1) + off + right + 1 < 2**31
         assert _params.window_sides(5, 0, nq, nk) == (min(5, nk), 0)
         assert _params.window_sides(10**12, 10**12, nq, nk) == (nk, nq)
+
+
+def test_per_stream_memory_keys_tell_streams_and_threads_apart():
+    """Kept per-stream memory (the tile counter, split decoding's workspace) is keyed by device
+    and stream; the per-thread default stream is a different stream in each host thread, so
+    its key holds a token of the thread, which no later thread gets, even one that reuses the
+    first one's thread id while work of its stream may still be queued."""
+    import threading
+
+    from cuflash import _launch
+
+    per_thread = _launch._PER_THREAD_STREAM
+    assert _launch._stream_key(0, 1234) == _launch._stream_key(0, 1234) != _launch._stream_key(1, 1234)
+    assert _launch._stream_key(0, per_thread) == _launch._stream_key(0, per_thread)   # one thread: one key
+    keys, idents = [], []
+
+    def record():
+        keys.append(_launch._stream_key(0, per_thread))
+        idents.append(threading.get_ident())
+
+    for _ in range(3):   # one after the other: ids are often reused
+        t = threading.Thread(target=record)
+        t.start()
+        t.join()
+    keys.append(_launch._stream_key(0, per_thread))
+    assert len(set(keys)) == len(keys), (idents, keys)
+    assert all(k[:2] == (0, per_thread) for k in keys)
