@@ -351,7 +351,7 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int,
     At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
     two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128
     both passes run on a loading warpgroup (bench/NOTES.md v18: 1.08-1.19x the
-    backward); at 64 the dk/dv pass does from 2048 queries (1.01-1.10x; below, its
+    backward), dq over 128 keys a step; at 64 the dk/dv pass does from 2048 queries (1.01-1.10x; below, its
     fewer and longer blocks lose, and the dq pass on one gains nothing)."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
@@ -365,9 +365,10 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int,
         ws = 4 if queries >= SM90_WS_BWD_MIN_QUERIES_D64 else 0
         return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
                             dkdv_ws_stages=ws)
-    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90)
+    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90);
+    # at head dim 128 the dq pass over 128 keys a step (1.00-1.10x 64, bench/NOTES.md v20)
     return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2,
-                        dq_ws_stages=2)
+                        dq_ws_stages=2, dq_step=128 if head_dim == 128 else 0)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -> tuple[str, str]:
