@@ -123,8 +123,8 @@ def test_backward_is_deterministic():
 
 
 @pytest.mark.parametrize("d, dkdv_stages, dq_stages, dq_step", [(64, 2, 0, 0), (64, 4, 3, 0), (128, 2, 0, 0),
-                                                                (128, 3, 2, 0), (64, 0, 2, 0), (128, 0, 3, 0),
-                                                                (128, 2, 2, 128), (256, 0, 3, 0), (256, 3, 0, 0),
+                                                                (128, 3, 2, 0), (64, 0, 2, 0), (128, 0, 3, 64),
+                                                                (128, 2, 2, 64), (256, 0, 3, 0), (256, 3, 0, 0),
                                                                 (256, 4, 3, 0)])
 @pytest.mark.parametrize(
     "q_shape, k_shape, mask",
