@@ -71,8 +71,8 @@ def forward_launches(x) -> Launches:
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
-    masked = x.left is not None or x.right is not None
-    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, masked) if _compile.current_arch() == "sm_90a" else None
+    causal = x.left is None and x.right is not None   # each row sees its whole past
+    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, causal) if _compile.current_arch() == "sm_90a" else None
     maps = None
     if isinstance(hopper, Sm90WsFwdTiles):   # through the copy engine where maps describe the inputs
         maps = _tensor_map.attention_maps(x, hopper.block_m, hopper.block_n)

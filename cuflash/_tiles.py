@@ -167,15 +167,15 @@ SM90_WS_FWD_D128_WIDE_FROM_KEYS = 8192
 
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
-                      masked: bool = False) -> Sm90WsFwdTiles | None:
+                      causal: bool = False) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
     measurement (bench/NOTES.md v13, v17, v19, v20): head dims 64 and 128, except head dim 64
     with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
     of one warpgroup, four per SM, stay ahead; at head dim 64 from 2048 keys three computing
     warpgroups (1.01-1.12x two, through maps; shorter, the 192-row tiles lost up to 11 %
-    under a causal mask); at head dim 128 under a mask (``masked``: causal or a window) from
-    8192 keys, 176-key blocks with one Q buffer (1.01-1.08x 128 causal, bench/NOTES.md v20;
-    without a mask they lost); and head dim 256, with one Q buffer and through tensor
+    under a causal mask); at head dim 128 under a causal mask (``causal``: each row sees its
+    whole past, its future cut) from 8192 keys, 176-key blocks with one Q buffer (1.01-1.08x
+    128 in six processes, bench/NOTES.md v20 and v21; without a mask they were mixed); and head dim 256, with one Q buffer and through tensor
     maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask, and
     with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere.
     These are the tiles through maps; ``without_maps`` gives the others."""
@@ -187,16 +187,16 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         return None
-    if head_dim == 128 and masked and keys is not None and keys >= SM90_WS_FWD_D128_WIDE_FROM_KEYS:
+    if head_dim == 128 and causal and keys is not None and keys >= SM90_WS_FWD_D128_WIDE_FROM_KEYS:
         return Sm90WsFwdTiles(128, 176, stages=2, q_buffers=1)
     three = head_dim == 64 and (keys is None or keys >= SM90_WS_FWD_D64_THREE_FROM_KEYS)
     return Sm90WsFwdTiles(head_dim, 128, stages=2, consumers=3 if three else 2)
 
 
-def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, masked: bool = False):
+def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, causal: bool = False):
     """The Hopper forward's kernel for a call: loading-warpgroup tiles (Sm90WsFwdTiles),
     attn_fwd_sm90 tiles (Sm90FwdTiles), or None where the portable kernel runs."""
-    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, masked)
+    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, causal)
     return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys)
 
 
@@ -412,8 +412,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             for packed in (False, True):
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
-                    for keys, masked in itertools.product(HOPPER_FWD_KEYS, (False, True)):
-                        tiles = hopper_fwd_tiles(dt, hd, keys, masked)
+                    for keys, causal in itertools.product(HOPPER_FWD_KEYS, (False, True)):
+                        tiles = hopper_fwd_tiles(dt, hd, keys, causal)
                         variants = [tiles]
                         if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
                             variants = [dataclasses.replace(tiles, tma=True)] if not packed else []

@@ -61,8 +61,8 @@ def test_hopper_specializations_fit_shared_memory():
                     # every kernel the forward picks, by keys per tile, is compiled and fits:
                     # the loading-warpgroup tiles through maps where dense, by cp.async where
                     # no map fits, or (maps_only) attn_fwd_sm90 there
-                    for keys, masked in itertools.product((64, 100, 128, 200, 1000, 5000, 10000), (False, True)):
-                        tiles = _tiles.hopper_fwd_tiles(dt, hd, keys, masked)
+                    for keys, causal in itertools.product((64, 100, 128, 200, 1000, 5000, 10000), (False, True)):
+                        tiles = _tiles.hopper_fwd_tiles(dt, hd, keys, causal)
                         picks = [tiles]
                         if isinstance(tiles, _tiles.Sm90WsFwdTiles):
                             fallback = tiles.without_maps() or _tiles.sm90_fwd_tiles(dt, hd, keys)
@@ -83,11 +83,11 @@ def test_hopper_specializations_fit_shared_memory():
                     assert _tiles.sm90_ws_fwd_tiles(dt, hd, 2047).consumers == 2
                     fallback = ws.without_maps()
                     assert fallback is None if ws.maps_only else (fallback.consumers == 2 and not fallback.tma)
-                if hd == 128:   # 176-key blocks under a mask from 8192 keys; by cp.async the 128-key default
-                    wide = _tiles.sm90_ws_fwd_tiles(dt, hd, 8192, masked=True)
+                if hd == 128:   # 176-key blocks under a causal mask from 8192 keys; by cp.async the 128-key default
+                    wide = _tiles.sm90_ws_fwd_tiles(dt, hd, 8192, causal=True)
                     assert (wide.block_n, wide.q_buffers) == (176, 1) and wide.maps_only
                     assert wide.without_maps() == _tiles.sm90_ws_fwd_tiles(dt, hd, 8192)
-                    assert _tiles.sm90_ws_fwd_tiles(dt, hd, 8191, masked=True).block_n == 128
+                    assert _tiles.sm90_ws_fwd_tiles(dt, hd, 8191, causal=True).block_n == 128
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _tiles.sm90_fwd_tiles("float32", 64) is None

@@ -357,3 +357,29 @@ def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, bloc
     r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, return_lse=True)
     assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, "bfloat16", c=2)
     assert_lse_close(cupy.asnumpy(lse), r_lse)
+
+
+@pytest.mark.parametrize("causal, block_n", [(True, 176), (False, 128)])
+def test_the_default_at_head_dim_128_past_8192_keys(causal, block_n):
+    """From 8192 keys per tile a causal forward at head dim 128 takes 176-key blocks with one
+    Q buffer through maps (an unmasked one keeps 128-key blocks), and matches the reference."""
+    sm90_or_skip()
+    import cupy
+    from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
+
+    import cuflash
+    from cuflash import _plans, _tiles, naive, reference
+
+    _plans.clear()
+    rng = np.random.default_rng(8192 + causal)
+    q, k, v = (random_array(rng, (1, 2, n, 128), "float16") for n in (300, 8300, 8300))
+    q = q * 4
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    (main,) = [r for r in _plans.forward(q, k, v, causal, None, None)[0].launches.runs if hasattr(r, "maps")]
+    picked = _tiles.Sm90WsFwdTiles(128, block_n, 2, q_buffers=1 if causal else 2)
+    assert main.maps is not None and main.smem == picked.smem_bytes(2)
+    n_out, _ = naive.attention(q, k, v, causal=causal, return_lse=True)
+    r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, "float16", c=2)
+    assert_lse_close(cupy.asnumpy(lse), r_lse)
