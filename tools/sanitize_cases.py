@@ -9,7 +9,8 @@ window; a GQA broadcast (k, v shared by 3 query heads); D != Dv (40 and 72, both
 to the 96 head-dim bucket) on strided (B, N, H, D) -> (B, H, N, D) views; head dims that are
 not a multiple of 8 (59 and 13, zero-padded into copies); packed variable-length sequences
 (empty ones, ones without keys, GQA with groups split over blocks), many short sequences
-(forward blocks that run several tiles each) and packed calls with
+(forward blocks that run several tiles each), the Hopper forward's longer tiles (three
+computing warpgroups, 176-key blocks, head dim 256 through maps) and packed calls with
 bad offsets under check=False (the backward given initialized out and lse, since rows no
 sequence owns are left unwritten by the forward). Each case runs the forward and the
 backward (attention_vjp).
@@ -101,6 +102,14 @@ for mask in ({"causal": True}, {"window": (300, 20)}):
     q = randn((1, 2, 2100, 64), "bfloat16")
     k, v = randn((1, 2, 2050, 64), "bfloat16"), randn((1, 2, 2050, 64), "bfloat16")
     ok &= run_case(f"bfloat16 D=64 Nq=2100 Nk=2050 {mask}", q, k, v, **mask)
+
+# the Hopper forward's longer tiles: three computing warpgroups at D = 64 from 2048 keys,
+# 176-key blocks at D = 128 under a causal mask from 8192 keys, D = 256 through maps
+for d, (nq, nk), mask in ((64, (2100, 2100), {}), (64, (2100, 2100), {"causal": True}),
+                          (128, (300, 8300), {"causal": True}), (256, (600, 600), {"causal": True})):
+    q = randn((1, 2, nq, d), "float16")
+    k, v = randn((1, 2, nk, d), "float16"), randn((1, 2, nk, d), "float16")
+    ok &= run_case(f"float16 D={d} Nq={nq} Nk={nk} {mask}", q, k, v, **mask)
 
 # bad offsets, check=False: wrong rows, but no access outside the arrays
 for cu, d in itertools.product(([0, 300, 100, 5000], [-7, 120, 2**31 - 1], [0, 2**31 - 1, 0, 2**31 - 1]), (64, 128)):
