@@ -175,11 +175,10 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     warpgroups (1.01-1.12x two, through maps; shorter, the 192-row tiles lost up to 11 %
     under a causal mask); at head dim 128 under a causal mask (``causal``: each row sees its
     whole past, its future cut) from 8192 keys, 176-key blocks with one Q buffer (1.01-1.08x
-    128 in six processes, bench/NOTES.md v20 and v21; without a mask they were mixed); and
-    head dim 256, with one Q buffer and through tensor maps only (``maps_only``): there it
-    ran at 1.2-1.4x attn_fwd_sm90 without a mask, and with its tiles drawn from a counter at
-    1.28-1.41x under a causal mask. None elsewhere. These are the tiles through maps;
-    ``without_maps`` gives the others."""
+    128 in six processes, bench/NOTES.md v20 and v21; without a mask they were mixed); and head dim 256, with one Q buffer and through tensor
+    maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask, and
+    with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere.
+    These are the tiles through maps; ``without_maps`` gives the others."""
     if dtype_name == "float32":
         return None
     if head_dim == 256:
