@@ -105,15 +105,12 @@ def test_kvcache_against_reference(dtype, batch, hkv, group, nq, dims, paged, pa
     assert_lse_close(cupy.asnumpy(lse), r_lse)
 
 
-@pytest.mark.parametrize("page_size", (16, 64, 256))
-def test_paged_equals_contiguous(page_size):
-    """The same keys in pages (in a shuffled order) and in one contiguous cache give the same result."""
-    rng = np.random.default_rng(page_size)
-    batch, hkv, group, d, lengths = 3, 2, 4, 128, [700, 1, 1200]
-    q = random_array(rng, (batch, hkv, group, 1, d), "bfloat16")
+def _paged_and_contiguous(rng, batch, hkv, group, nq, d, lengths, page_size, dtype="bfloat16"):
+    """q, a contiguous cache, the same keys in pages placed in a shuffled order, and the table."""
+    q = random_array(rng, (batch, hkv, group, nq, d), dtype)
     cap = -(-max(lengths) // page_size) * page_size
-    k = random_array(rng, (batch, hkv, 1, cap, d), "bfloat16")
-    v = random_array(rng, (batch, hkv, 1, cap, d), "bfloat16")
+    k = random_array(rng, (batch, hkv, 1, cap, d), dtype)
+    v = random_array(rng, (batch, hkv, 1, cap, d), dtype)
     pages = cap // page_size
     table = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
     kp = cupy.empty((batch * pages, hkv, 1, page_size, d), dtype=k.dtype)
@@ -122,16 +119,46 @@ def test_paged_equals_contiguous(page_size):
         for i in range(pages):
             kp[int(table[b, i])] = k[b, :, :, i * page_size:(i + 1) * page_size]
             vp[int(table[b, i])] = v[b, :, :, i * page_size:(i + 1) * page_size]
+    return q, (k, v), (kp, vp), cupy.asarray(table)
+
+
+@pytest.mark.parametrize("page_size", (16, 64, 256))
+def test_paged_equals_contiguous(page_size):
+    """The same keys in pages (in a shuffled order) and in one contiguous cache give the same result."""
+    rng = np.random.default_rng(page_size)
+    lengths = [700, 1, 1200]
+    q, (k, v), (kp, vp), table = _paged_and_contiguous(rng, 3, 2, 4, 1, 128, lengths, page_size)
     seqlens = cupy.asarray(lengths, dtype=cupy.int32)
     a = cuflash.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1)
-    b = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=cupy.asarray(table), num_splits=1)
+    b = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=1)
     assert np.array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
     # with splits, and with and without lse (then written where nobody reads it): the same out
-    c = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=cupy.asarray(table), num_splits=3)
-    d, lse = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=cupy.asarray(table),
-                                       num_splits=3, return_lse=True)
+    c = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=3)
+    d, lse = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=3,
+                                       return_lse=True)
     assert np.array_equal(cupy.asnumpy(c), cupy.asnumpy(d)) and lse.shape == q.shape[:-1]
     assert np.isfinite(cupy.asnumpy(lse)).all()
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("d", (64, 48, 128))
+def test_pages_of_16_equal_contiguous_with_32_row_tiles(dtype, d):
+    """Pages of 16 rows, each run of 16 keys copied by threads of its own, under 32 query rows
+    per block (G 8, Nq 4, causal), with ragged lengths (partial runs and blocks) and narrow
+    heads (d 48 in 64 columns): bitwise the contiguous cache's result, split and not."""
+    rng = np.random.default_rng(d)
+    lengths = [1000, 5, 2061, 16]
+    q, (k, v), (kp, vp), table = _paged_and_contiguous(rng, 4, 2, 8, 4, d, lengths, 16, dtype)
+    seqlens = cupy.asarray(lengths, dtype=cupy.int32)
+    for splits in (1, 4):
+        a = cuflash.attention_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, num_splits=splits)
+        b = cuflash.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=True,
+                                      num_splits=splits)
+        assert np.array_equal(cupy.asnumpy(a), cupy.asnumpy(b)), f"num_splits={splits}"
+    ref = reference.attention_kvcache(*(cupy.asnumpy(x) for x in (q, k, v)), cache_seqlens=np.array(lengths),
+                                      causal=True)
+    n = _naive(q, k, v, None, lengths, {"causal": True})
+    assert_close_to_reference("out", cupy.asnumpy(b), cupy.asnumpy(n), ref, q.dtype, c=2)
 
 
 def test_refused_call_writes_nothing():

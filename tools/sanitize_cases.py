@@ -122,7 +122,8 @@ for cu, d in itertools.product(([0, 300, 100, 5000], [-7, 120, 2**31 - 1], [0, 2
     cupy.cuda.Device().synchronize()
     print(f"bad offsets {cu.get().tolist()} D={d} check=False: ran", flush=True)
 
-# the KV cache: appends and decoding, contiguous and paged (page size 7: rows across pages),
+# the KV cache: appends and decoding, contiguous and paged (page size 7: rows across pages;
+# 16: runs of 16 rows, each copied by threads of its own, under 8 and 32 query rows per block),
 # GQA, forced splits; then bad lengths and pages under check=False (clamped, inside the arrays)
 for dtype in ("float16", "bfloat16", "float32"):
     q = randn((3, 2, 4, 2, 64), dtype)
@@ -133,13 +134,17 @@ for dtype in ("float16", "bfloat16", "float32"):
         out = cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=lengths, causal=True,
                                         num_splits=splits)
         ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
-    pages = randn((140, 2, 1, 7, 64), dtype), randn((140, 2, 1, 7, 64), dtype)
-    table = cupy.asarray(np.random.default_rng(0).permutation(129)[:129].reshape(3, 43), dtype=cupy.int32)
-    out = cuflash.attention_kvcache(q, *pages, k_new=kn, v_new=vn, cache_seqlens=lengths, block_table=table)
-    ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
     bad = cupy.asarray([-9, 5000, 2**31 - 1], dtype=cupy.int32)
-    bad_table = cupy.asarray(np.full((3, 43), 7, dtype=np.int32) * np.array([[-1], [1], [99]], dtype=np.int32))
-    cuflash.attention_kvcache(q, *pages, k_new=kn, v_new=vn, cache_seqlens=bad, block_table=bad_table, check=False)
+    for page_size, rows in ((7, q), (16, q), (16, randn((3, 2, 8, 4, 64), dtype))):
+        per_seq = -(-300 // page_size)
+        pages = (randn((3 * per_seq + 11, 2, 1, page_size, 64), dtype),
+                 randn((3 * per_seq + 11, 2, 1, page_size, 64), dtype))
+        table = cupy.asarray(np.random.default_rng(0).permutation(3 * per_seq).reshape(3, per_seq), dtype=cupy.int32)
+        out = cuflash.attention_kvcache(rows, *pages, k_new=kn, v_new=vn, cache_seqlens=lengths, block_table=table)
+        ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
+        bad_table = cupy.asarray(np.full((3, per_seq), 7, dtype=np.int32) * np.array([[-1], [1], [99]], dtype=np.int32))
+        cuflash.attention_kvcache(rows, *pages, k_new=kn, v_new=vn, cache_seqlens=bad, block_table=bad_table,
+                                  check=False)
     cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=bad, check=False)
     cupy.cuda.Device().synchronize()
     print(f"{dtype} KV cache: appends, decoding, paged, splits, bad lengths with check=False: ran", flush=True)

@@ -23,6 +23,7 @@ struct SmemTile {
     static constexpr int BYTES = ROWS * COLS * int(sizeof(Storage));
     static constexpr int G = CHUNKS % 8 == 0 ? 8 : CHUNKS % 4 == 0 ? 4 : CHUNKS % 2 == 0 ? 2 : 1;
     static constexpr int ROWS_PER_SWIZZLE = 8 / G;   // rows that one chunk-row of banks spans
+    static constexpr int SWIZZLE_ROWS = 8;            // rows after which the swizzle repeats
     static_assert(COLS % ELEMS_PER_CHUNK == 0, "tile rows are whole 16-byte chunks");
 
     // Byte offset of chunk `chunk` of row `row`.
@@ -61,6 +62,24 @@ __device__ __forceinline__ void named_barrier_sync() { asm volatile("bar.sync %0
 __device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory"); }
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory"); }
 
+// The copies of load_tile_async one 16-byte chunk at a time: chunk i of the tile (row-major)
+// by thread i % THREADS of the THREADS taking part, `tid` this thread's index among them;
+// the loop unrolled UNROLL times.
+template <class Tile, int THREADS, int UNROLL, class Storage>
+__device__ __forceinline__ void load_chunks_async(u32 s_tile, const Storage* g, index_t row_stride, int rows_valid,
+                                                  int cols_valid, int tid) {
+    constexpr int TOTAL = Tile::ROWS_X_CHUNKS;
+#pragma unroll UNROLL
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+        const int i = it * THREADS + tid;
+        if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+        const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS;
+        const bool valid = r < rows_valid && c * Tile::ELEMS_PER_CHUNK < cols_valid;
+        const Storage* src = valid ? g + r * row_stride + c * Tile::ELEMS_PER_CHUNK : g;
+        cp_async_16(s_tile + Tile::chunk_offset(r, c), src, valid);
+    }
+}
+
 // Issues the copies of rows [0, ROWS) x cols [0, COLS) of a global tile whose
 // row r starts at g + r * row_stride; rows >= rows_valid and columns >= cols_valid
 // become zeros. Threads 0 .. THREADS - 1 take part (the whole block, or its loading
@@ -97,15 +116,45 @@ __device__ __forceinline__ void load_tile_async(u32 s_tile, const Storage* g, in
             dst += dst_step;
         }
     } else {
-#pragma unroll (STRIDED ? 1 : ITERS)
-        for (int it = 0; it < ITERS; ++it) {
-            const int i = it * THREADS + int(threadIdx.x);
-            if (TOTAL % THREADS != 0 && i >= TOTAL) break;
-            const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS;
-            const bool valid = r < rows_valid && c * Tile::ELEMS_PER_CHUNK < cols_valid;
-            const Storage* src = valid ? g + r * row_stride + c * Tile::ELEMS_PER_CHUNK : g;
-            cp_async_16(s_tile + Tile::chunk_offset(r, c), src, valid);
+        load_chunks_async<Tile, THREADS, STRIDED ? 1 : ITERS>(s_tile, g, row_stride, rows_valid, cols_valid,
+                                                             int(threadIdx.x));
+    }
+}
+
+// load_tile_async by LANES threads of several that copy tiles of their own at once, `lane`
+// this thread's index among them. Where the lanes cover whole rows, each keeps one chunk
+// column and steps down the rows: one source address computed per tile, not per copy, and
+// destinations that repeat, a whole number of rows further, every PERIOD copies (the swizzle
+// has a period of 8 rows), so that their offsets hold from tile to tile; a whole tile takes
+// its copies with no predicates. Else chunk by chunk.
+template <class Tile, int LANES, class Storage>
+__device__ __forceinline__ void load_tile_by_lanes_async(u32 s_tile, const Storage* g, index_t row_stride,
+                                                          int rows_valid, int cols_valid, int lane) {
+    constexpr int TOTAL = Tile::ROWS_X_CHUNKS, ITERS = (TOTAL + LANES - 1) / LANES;
+    if constexpr (LANES % Tile::CHUNKS == 0 && TOTAL % LANES == 0) {
+        constexpr int ROW_STEP = LANES / Tile::CHUNKS;
+        constexpr int PERIOD = ROW_STEP % Tile::SWIZZLE_ROWS == 0 ? 1 : Tile::SWIZZLE_ROWS / ROW_STEP;
+        static_assert(PERIOD == 1 || Tile::SWIZZLE_ROWS % ROW_STEP == 0, "the rows a thread copies repeat the swizzle");
+        constexpr u32 PERIOD_BYTES = u32(PERIOD * ROW_STEP * Tile::CHUNKS * 16);
+        const int c = lane % Tile::CHUNKS, r0 = lane / Tile::CHUNKS;
+        const Storage* src = g + r0 * row_stride + c * Tile::ELEMS_PER_CHUNK;
+        const index_t src_step = ROW_STEP * row_stride;
+        auto dst = [&](int it) {
+            return s_tile + Tile::chunk_offset(r0 + it % PERIOD * ROW_STEP, c) + u32(it / PERIOD) * PERIOD_BYTES;
+        };
+        if (rows_valid >= Tile::ROWS && cols_valid >= Tile::COLS) {
+#pragma unroll
+            for (int it = 0; it < ITERS; ++it, src += src_step) cp_async_16(dst(it), src, true);
+        } else {
+            const bool col_valid = c * Tile::ELEMS_PER_CHUNK < cols_valid;
+#pragma unroll
+            for (int it = 0; it < ITERS; ++it, src += src_step) {
+                const bool valid = col_valid && r0 + it * ROW_STEP < rows_valid;
+                cp_async_16(dst(it), valid ? src : g, valid);
+            }
         }
+    } else {
+        load_chunks_async<Tile, LANES, ITERS>(s_tile, g, row_stride, rows_valid, cols_valid, lane);
     }
 }
 

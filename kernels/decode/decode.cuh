@@ -60,13 +60,15 @@ struct DecodeParams {
         return block_table ? j - page_index(j) * int(page_size) : j;
     }
     __device__ __forceinline__ int page_index(int j) const { return int(fast_div(u32(j), page_div)); }
-    // Offsets in k and v of row `row` of slot `at` (a sequence's cache, or a page), entry e.
-    __device__ __forceinline__ void offsets(int at, int e, int row, index_t& ok, index_t& ov) const {
-        ok = at * k_stride_b + e * k_stride_e + row * k_stride_row;
-        ov = at * v_stride_b + e * v_stride_e + row * v_stride_row;
+    // Offsets in k and v of row `row` of slot `at` (a sequence's cache, or a page), and of
+    // key j of sequence b, from the first row of slot 0 of the same entry (head): callers
+    // start from their entry's, its offsets e * k_stride_e and e * v_stride_e.
+    __device__ __forceinline__ void offsets(int at, int row, index_t& ok, index_t& ov) const {
+        ok = at * k_stride_b + row * k_stride_row;
+        ov = at * v_stride_b + row * v_stride_row;
     }
-    __device__ __forceinline__ void key_offsets(int b, int e, int j, index_t& ok, index_t& ov) const {
-        offsets(slot(table_entry(b, j)), e, row_of(j), ok, ov);
+    __device__ __forceinline__ void key_offsets(int b, int j, index_t& ok, index_t& ov) const {
+        offsets(slot(table_entry(b, j)), row_of(j), ok, ov);
     }
 };
 
@@ -84,11 +86,11 @@ __global__ void __launch_bounds__(128) kvcache_append(const DecodeParams p) {
     const index_t j = index_t(p.cached(b)) + i;
     if (j < 0 || j >= p.capacity) return;
     index_t ok, ov;
-    p.key_offsets(b, e, int(j), ok, ov);
+    p.key_offsets(b, int(j), ok, ov);
     const Storage* kn = static_cast<const Storage*>(p.k_new) + b * p.kn_stride_b + e * p.kn_stride_e + i * p.kn_stride_row;
     const Storage* vn = static_cast<const Storage*>(p.v_new) + b * p.vn_stride_b + e * p.vn_stride_e + i * p.vn_stride_row;
-    Storage* k = static_cast<Storage*>(const_cast<void*>(p.k)) + ok;
-    Storage* v = static_cast<Storage*>(const_cast<void*>(p.v)) + ov;
+    Storage* k = static_cast<Storage*>(const_cast<void*>(p.k)) + e * p.k_stride_e + ok;
+    Storage* v = static_cast<Storage*>(const_cast<void*>(p.v)) + e * p.v_stride_e + ov;
     for (int c = threadIdx.x; c < int(p.d); c += blockDim.x) k[c] = kn[c];
     for (int c = threadIdx.x; c < int(p.dv); c += blockDim.x) v[c] = vn[c];
 }
@@ -152,8 +154,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     const u32 s_k = s_q + QTile::BYTES;                // + stage * KVTile::BYTES
     const u32 s_v = s_k + STAGES * KVTile::BYTES;
     const auto* g_q = static_cast<const Storage*>(p.q) + b * p.q_stride_b + e * p.q_stride_e;
-    const auto* g_k = static_cast<const Storage*>(p.k);
-    const auto* g_v = static_cast<const Storage*>(p.v);
+    const auto* g_k = static_cast<const Storage*>(p.k) + e * p.k_stride_e;   // the block's entry
+    const auto* g_v = static_cast<const Storage*>(p.v) + e * p.v_stride_e;
 
     // Keys [lo, hi) that some row of the block may see: the band of its new rows
     const int off = nk - nq;
@@ -167,19 +169,21 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     // (the host picks LAYOUT from the page size: _tiles.decode_tiles)
     static_assert(LAYOUT != int(KeyLayout::RUNS) || (HEAD_DIM <= 128 && BLOCK_N % Tiles::RUN == 0),
                   "runs of 16 rows for heads up to 128 wide (wider: the runs' offsets would spill)");
-    // A block's keys lie in SPANS runs of one page each (one for BLOCKS). Their table
-    // entries are read LOOKAHEAD blocks before their copies, so that the table's
-    // latency hides under the products between rather than stalling every copy (a contiguous
-    // cache reads no table). entries[s][w]: run w of the block s after the next one to load.
+    // A block's keys lie in SPANS runs of one page each (one for BLOCKS). Each run is copied
+    // by its own LANES threads, which alone read its table entry and compute its addresses
+    // (one run, not every run, per thread). The entries are read LOOKAHEAD blocks before
+    // their copies, so that the table's latency hides under the products between rather than
+    // stalling every copy (a contiguous cache reads no table). entries[s]: this thread's run
+    // of the block s after the next one to load.
     constexpr int SPAN = LAYOUT == int(KeyLayout::RUNS) ? Tiles::RUN : BLOCK_N;
-    constexpr int SPANS = BLOCK_N / SPAN, LOOKAHEAD = STAGES - 1;
-    int entries[LOOKAHEAD][SPANS] = {};
-    auto fetch_entries = [&](int nb, int (&out)[SPANS]) {
+    constexpr int SPANS = BLOCK_N / SPAN, LANES = THREADS / SPANS, LOOKAHEAD = STAGES - 1;
+    static_assert(THREADS % SPANS == 0, "each run of a block has threads of its own");
+    const int run = int(threadIdx.x) / LANES, lane = int(threadIdx.x) % LANES;
+    int entries[LOOKAHEAD] = {};
+    auto fetch_entry = [&](int nb, int& out) {
         if constexpr (LAYOUT != int(KeyLayout::ROWS)) {   // (rows: looked up row by row as copied)
-            if (nb >= nb_end) return;
-#pragma unroll
-            for (int w = 0; w < SPANS; ++w)   // (a run past the last key is all zeros: its first row clamped to one that exists)
-                out[w] = p.table_entry(b, min(nb * BLOCK_N + w * SPAN, nk - 1));
+            // (a run past the last key is all zeros: its first row clamped to one that exists)
+            if (nb < nb_end) out = p.table_entry(b, min(nb * BLOCK_N + run * SPAN, nk - 1));
         }
     };
     auto load_kv = [&](int nb, int stage) {
@@ -187,7 +191,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         const u32 s_kb = s_k + stage * KVTile::BYTES, s_vb = s_v + stage * KVTile::BYTES;
         if constexpr (LAYOUT == int(KeyLayout::BLOCKS)) {
             index_t ok, ov;
-            p.offsets(p.slot(entries[0][0]), e, p.row_of(n0), ok, ov);
+            p.offsets(p.slot(entries[0]), p.row_of(n0), ok, ov);
             // (strided: each thread steps down the rows by constants; all but a sequence's
             // last block are whole, and take copies with no predicates)
             if (valid == BLOCK_N && d == HEAD_DIM && dv == HEAD_DIM) {
@@ -198,16 +202,14 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
                 load_tile_async<KVTile, THREADS, true>(s_vb, g_v + ov, p.v_stride_row, valid, dv);
             }
         } else if constexpr (LAYOUT == int(KeyLayout::RUNS)) {
-#pragma unroll
-            for (int w = 0; w < SPANS; ++w) {
-                index_t ok, ov;
-                p.offsets(p.slot(entries[0][w]), e, p.row_of(min(n0 + w * SPAN, nk - 1)), ok, ov);
-                load_tile_async<RunTile, THREADS>(s_kb + w * RUN_BYTES, g_k + ok, p.k_stride_row, valid - w * SPAN, d);
-                load_tile_async<RunTile, THREADS>(s_vb + w * RUN_BYTES, g_v + ov, p.v_stride_row, valid - w * SPAN, dv);
-            }
+            index_t ok, ov;
+            p.offsets(p.slot(entries[0]), p.row_of(min(n0 + run * SPAN, nk - 1)), ok, ov);
+            const int run_valid = valid - run * SPAN;
+            load_tile_by_lanes_async<RunTile, LANES>(s_kb + run * RUN_BYTES, g_k + ok, p.k_stride_row, run_valid, d, lane);
+            load_tile_by_lanes_async<RunTile, LANES>(s_vb + run * RUN_BYTES, g_v + ov, p.v_stride_row, run_valid, dv, lane);
         } else {
-            auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
-            auto v_row = [&](int r) { index_t ok, ov; p.key_offsets(b, e, n0 + min(r, valid - 1), ok, ov); return g_v + ov; };
+            auto k_row = [&](int r) { index_t ok, ov; p.key_offsets(b, n0 + min(r, valid - 1), ok, ov); return g_k + ok; };
+            auto v_row = [&](int r) { index_t ok, ov; p.key_offsets(b, n0 + min(r, valid - 1), ok, ov); return g_v + ov; };
             load_rows_async<KVTile, THREADS, Storage>(s_kb, k_row, valid, d);
             load_rows_async<KVTile, THREADS, Storage>(s_vb, v_row, valid, dv);
         }
@@ -219,10 +221,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         if (nb < nb_end) load_kv(nb, (i + STAGES - 1) % STAGES);
         cp_async_commit();
 #pragma unroll
-        for (int s = 0; s + 1 < LOOKAHEAD; ++s)
-#pragma unroll
-            for (int w = 0; w < SPANS; ++w) entries[s][w] = entries[s + 1][w];
-        fetch_entries(nb + LOOKAHEAD, entries[LOOKAHEAD - 1]);
+        for (int s = 0; s + 1 < LOOKAHEAD; ++s) entries[s] = entries[s + 1];
+        fetch_entry(nb + LOOKAHEAD, entries[LOOKAHEAD - 1]);
     };
 
     float acc[M_TILES][D_TILES][4];
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         load_rows_async<QTile, THREADS, Storage>(
             s_q, [&](int r) { return g_q + (row0 + r) * p.q_stride_row; }, rows, d);
 #pragma unroll
-        for (int s = 0; s < LOOKAHEAD; ++s) fetch_entries(nb_begin + s, entries[s]);   // all in flight at once
+        for (int s = 0; s < LOOKAHEAD; ++s) fetch_entry(nb_begin + s, entries[s]);   // all in flight at once
 #pragma unroll
         for (int i = 1 - STAGES; i < 0; ++i) load_step(i);
     }
