@@ -484,22 +484,21 @@ def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None 
     - 32 rows per block only for 16-bit types up to head dim 128 (registers).
     - 128 keys per stage for 16-bit heads up to 64 wide, so that a stage moves as many bytes
       as at head dim 128 (by measurement, bench/NOTES.md v15), over pages too when they hold
-      whole blocks of 128 or are read run by run (their table entries read ahead: v17); but
-      64 over pages of whole 64-key blocks (found with one table read each, v15) and over
-      pages read row by row.
+      whole blocks of 128 or are read run by run (pages of 64 among them, since each run is
+      copied by threads of its own: v22); 64 over pages read row by row.
     - three stages where they fit in 100 KB (two blocks per SM), two for float32 (registers).
     - keys found block by block where pages hold whole blocks, else run by run where pages
       hold whole runs of 16 rows (heads up to 128 wide: wider, the runs' offsets spill), else
       row by row.
     """
     block_rows = 32 if rows > 16 and head_dim <= 128 and itemsize == 2 else 16
-    by_runs = page_size is not None and page_size % 64 != 0 and page_size % DECODE_RUN == 0
-    wide_stages = head_dim <= 64 and itemsize == 2 and (page_size is None or page_size % 128 == 0 or by_runs)
+    by_runs = page_size is not None and page_size % DECODE_RUN == 0 and head_dim <= 128
+    wide_stages = head_dim <= 64 and itemsize == 2 and (page_size is None or by_runs)
     block_n = 128 if wide_stages else 64
     stages = 3 if itemsize == 2 and 3 * 2 * block_n * head_dim * itemsize <= 100 * 1024 else 2
     if page_size is None or page_size % block_n == 0:
         layout = KEY_BLOCKS
-    elif page_size % DECODE_RUN == 0 and head_dim <= 128:
+    elif by_runs:
         layout = KEY_RUNS
     else:
         layout = KEY_ROWS

@@ -142,13 +142,15 @@ def test_paged_equals_contiguous(page_size):
 
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 @pytest.mark.parametrize("d", (64, 48, 128))
-def test_pages_of_16_equal_contiguous_with_32_row_tiles(dtype, d):
-    """Pages of 16 rows, each run of 16 keys copied by threads of its own, under 32 query rows
-    per block (G 8, Nq 4, causal), with ragged lengths (partial runs and blocks) and narrow
-    heads (d 48 in 64 columns): bitwise the contiguous cache's result, split and not."""
-    rng = np.random.default_rng(d)
+@pytest.mark.parametrize("page_size", (16, 64))
+def test_pages_equal_contiguous_with_32_row_tiles(dtype, d, page_size):
+    """Pages of 16 and 64 rows (read in runs of 16 keys, each run copied by threads of its own,
+    but at head dim 128 over pages of 64, one block a page) under 32 query rows per block (G 8,
+    Nq 4, causal), with ragged lengths (partial runs and blocks) and narrow heads (d 48 in 64
+    columns): bitwise the contiguous cache's result, split and not."""
+    rng = np.random.default_rng(d + page_size)
     lengths = [1000, 5, 2061, 16]
-    q, (k, v), (kp, vp), table = _paged_and_contiguous(rng, 4, 2, 8, 4, d, lengths, 16, dtype)
+    q, (k, v), (kp, vp), table = _paged_and_contiguous(rng, 4, 2, 8, 4, d, lengths, page_size, dtype)
     seqlens = cupy.asarray(lengths, dtype=cupy.int32)
     for splits in (1, 4):
         a = cuflash.attention_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, num_splits=splits)
