@@ -11,10 +11,12 @@ a model reads each layer's cache once per step, with the other layers' work in b
 a cell whose K and V are small holds several copies of them (together past 256 MB, five
 times the H200's L2) and consecutive calls read different copies, none of them in L2. The
 implementations of a cell take turns, round by round (rotated starting order; 7 rounds):
-each round times, per implementation, calls queued back to back (about 2 ms of them, 3 to
-20 calls, at least two per copy: the host's time hidden, the kernels') and one synchronized
-call (the host's time counted); a cell reports the medians over the rounds. Taking turns cancels drift between implementations
-measured one after the other (clocks, the cache, the memory's state). cuflash reads
+each round times, per implementation, one replay of a CUDA graph of its calls (the device's
+time alone, as a decoding loop captured in a graph runs: the headline), the same calls
+queued back to back eagerly (about 2 ms of them, 3 to 20 calls, at least two per copy: the
+host's time wherever a call launches slower than its kernels run, as at B = 1) and one
+synchronized call; a cell reports the medians over the rounds. Taking turns cancels drift
+between implementations measured one after the other (clocks, the cache, the memory's state). cuflash reads
 q as (B, Hkv, G, Nq, D) against (B, Hkv, 1, Nk, D) caches; SDPA gets (B, Hq, Nq, D) against
 (B, Hkv, Nk, D) with enable_gqa. With Nq = 4 cuflash's rows are causal (bottom-right: the
 new rows see the cache and the new rows before them); SDPA's is_causal aligns to the top-left
@@ -36,6 +38,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,26 +89,79 @@ def queued_calls_ms(fns, calls: int) -> float:
     return cupy.cuda.get_elapsed_time(start, stop) / calls
 
 
-def take_turns(impls: dict, rounds: int) -> dict:
-    """{name: {"call_ms", "queued_ms"}}: medians over `rounds` rounds in which every
-    implementation takes its turn, the starting one rotating from round to round. An
-    implementation is (its calls, one per copy of the data; a function that makes the
-    context its turns run in, such as SDPA's backend, or None)."""
-    names = list(impls)
-    calls = {}
-    for name, (fns, context) in impls.items():   # compiled, planned and warm; then how many calls a sample queues
-        with context() if context else contextlib.nullcontext():
+class CupyGraph:
+    """`calls` calls (cycling through `fns`) captured into one CUDA graph on a CuPy stream;
+    replay_ms() times one replay per call: the device's time alone, no host in between."""
+
+    def __init__(self, fns, calls: int):
+        self.calls, self.stream = calls, cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.stream.begin_capture()
+            self.outputs = [fns[i % len(fns)]() for i in range(calls)]   # kept: the replays write them
+            self.graph = self.stream.end_capture()
+
+    def replay_ms(self) -> float:
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(self.stream)
+        self.graph.launch(self.stream)
+        stop.record(self.stream)
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / self.calls
+
+
+class TorchGraph:
+    """The same for calls that launch through PyTorch (captured by torch.cuda.graph)."""
+
+    def __init__(self, fns, calls: int):
+        self.calls, self.stream, self.graph = calls, torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):   # warm on the capturing stream first
             for fn in fns:
                 fn()
-            first = queued_calls_ms(fns, len(fns))
-        calls[name] = max(2 * len(fns), min(20, max(3, math.ceil(QUEUED_MS / max(first, 1e-3)))))
-    samples = {n: {"call_ms": [], "queued_ms": []} for n in names}
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            self.outputs = [fns[i % len(fns)]() for i in range(calls)]
+
+    def replay_ms(self) -> float:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / self.calls
+
+
+@dataclass
+class Impl:
+    """An implementation of a cell: its calls, one per copy of the data; a function that makes
+    the context its turns run in (SDPA's backend), or None; how its calls are captured."""
+
+    fns: list
+    context: object = None
+    graph: type = CupyGraph
+
+
+def take_turns(impls: dict, rounds: int) -> dict:
+    """{name: {"graph_ms", "queued_ms", "call_ms"}}: medians over `rounds` rounds in which every
+    implementation takes its turn, the starting one rotating from round to round."""
+    names = list(impls)
+    calls, graphs = {}, {}
+    for name, impl in impls.items():   # compiled, planned, warm and captured
+        with impl.context() if impl.context else contextlib.nullcontext():
+            for fn in impl.fns:
+                fn()
+            first = queued_calls_ms(impl.fns, len(impl.fns))
+            calls[name] = max(2 * len(impl.fns), min(20, max(3, math.ceil(QUEUED_MS / max(first, 1e-3)))))
+            graphs[name] = impl.graph(impl.fns, calls[name])
+    samples = {n: {"graph_ms": [], "queued_ms": [], "call_ms": []} for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fns, context = impls[name]
-            with context() if context else contextlib.nullcontext():
-                samples[name]["queued_ms"].append(queued_calls_ms(fns, calls[name]))
-                samples[name]["call_ms"].append(one_call_ms(fns[r % len(fns)]))
+            impl = impls[name]
+            with impl.context() if impl.context else contextlib.nullcontext():
+                samples[name]["graph_ms"].append(graphs[name].replay_ms())
+                samples[name]["queued_ms"].append(queued_calls_ms(impl.fns, calls[name]))
+                samples[name]["call_ms"].append(one_call_ms(impl.fns[r % len(impl.fns)]))
+    del graphs
     return {n: {kind: float(np.median(v)) for kind, v in samples[n].items()} for n in names}
 
 
@@ -135,8 +191,8 @@ def run_cell(dtype, d, b, hq, hkv, nk, nq, repeat) -> dict | None:
     row = {"dtype": dtype, "D": d, "B": b, "Hq": hq, "Hkv": hkv, "Nk": nk, "Nq": nq, "bytes": kv_bytes,
            "copies": copies, "ms": {}}
     causal = nq > 1
-    impls = {"cuflash": ([lambda q=q, k=k, v=v: cuflash.attention_kvcache(q, k, v, causal=causal, check=False)
-                          for q, k, v in data], None)}
+    impls = {"cuflash": Impl([lambda q=q, k=k, v=v: cuflash.attention_kvcache(q, k, v, causal=causal, check=False)
+                              for q, k, v in data])}
     views = []
     if torch is not None:
         views = [(torch.from_dlpack(q.reshape(b, hq, nq, d)), torch.from_dlpack(k.reshape(b, hkv, nk, d)),
@@ -149,7 +205,7 @@ def run_cell(dtype, d, b, hq, hkv, nk, nq, repeat) -> dict | None:
             except RuntimeError as err:   # a backend without a kernel for the shape
                 log(f"  {name}: {str(err).splitlines()[0]}")
                 continue
-            impls[name] = (fns, lambda backend=backend: bench_attention.sdpa_kernel(backend))
+            impls[name] = Impl(fns, lambda backend=backend: bench_attention.sdpa_kernel(backend), TorchGraph)
     row["ms"].update(take_turns(impls, repeat))
     del impls, views
     # the same keys in pages: the three page sizes take turns where they fit beside the cache
@@ -161,10 +217,10 @@ def run_cell(dtype, d, b, hq, hkv, nk, nq, repeat) -> dict | None:
         for page_size in group:
             paged = [(q, *paged_copy(k, page_size, rng), paged_copy(v, page_size, rng)[0]) for q, k, v in data]
             pages.append(paged)
-            impls[f"cuflash paged {page_size}"] = ([
+            impls[f"cuflash paged {page_size}"] = Impl([
                 lambda q=q, kp=kp, vp=vp, table=table: cuflash.attention_kvcache(
                     q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=causal, check=False)
-                for q, kp, table, vp in paged], None)
+                for q, kp, table, vp in paged])
         row["ms"].update(take_turns(impls, repeat))
         del impls, pages
     del data
@@ -218,7 +274,9 @@ def tbps(row, name, kind):
 
 def print_tables(rows, loops):
     names = list(dict.fromkeys(n for r in rows for n in r["ms"]))
-    for kind, title in (("call_ms", "one synchronized call per sample"), ("queued_ms", "calls queued back to back")):
+    for kind, title in (("graph_ms", "calls replayed from a CUDA graph (the device's time)"),
+                        ("queued_ms", "calls queued back to back (eager: the host's time where it is longer)"),
+                        ("call_ms", "one synchronized call per sample")):
         print(f"\nTB/s of K and V read once, {title}")
         print("| dtype | D | B | Hq:Hkv | Nk | Nq | " + " | ".join(names) + " | / cuDNN |")
         print("|---" * (7 + len(names)) + "|")
@@ -244,11 +302,11 @@ def draw_chart(rows, out):
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.5), 4.5))
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
-        ax.bar([j + i * width for j in range(len(rows))], [tbps(r, name, "queued_ms") for r in rows], width, label=name)
+        ax.bar([j + i * width for j in range(len(rows))], [tbps(r, name, "graph_ms") for r in rows], width, label=name)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{r['dtype'][:4]} D{r['D']} B{r['B']} {r['Hq']}:{r['Hkv']} {r['Nk'] // 1024}K q{r['Nq']}"
                         for r in rows], rotation=90, fontsize=6)
-    ax.set_ylabel("TB/s (K and V read once), calls queued")
+    ax.set_ylabel("TB/s (K and V read once), calls replayed from a CUDA graph")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "decode.png"), dpi=130)

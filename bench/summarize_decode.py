@@ -2,7 +2,9 @@
 
     python bench/summarize_decode.py bench/results/<run>/decode.json [--against OTHER.json]
 
-All ratios use the queued times (the kernels' rate). Per (dtype, D, Nq): the cells, the
+All ratios use one kind of time (--kind): the CUDA graph replays (graph_ms, the device's time;
+the default where the run has them) or the calls queued eagerly (queued_ms, the default for
+runs before graph replays were timed). Per (dtype, D, Nq): the cells, the
 median and least of cuflash / cuDNN, and how many cells are at 1.0 or more and at 0.95 or more.
 Then:
 - Nq > 1 with and without grouped heads, as ranges;
@@ -10,7 +12,7 @@ Then:
 - each page size against the contiguous cache (median, least, cells at 0.9 or more);
 - the decoding loops.
 --against: per Nq = 1 cell present in both runs, this run's cuflash / cuDNN over the other's
-(10th percentile, median, 90th). Needs no GPU.
+(10th percentile, median, 90th), where both runs have that kind of time. Needs no GPU.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ LARGE_KEYS = 2**20
 BAR_TBPS = 4.3
 
 
+KIND = "graph_ms"   # set by main(): which time every ratio uses
+
+
 def tbps(row, name):
     t = row["ms"].get(name)
-    return row["bytes"] / t["queued_ms"] / 1e9 if t else None
+    return row["bytes"] / t[KIND] / 1e9 if t and KIND in t else None
 
 
 def over_cudnn(row):
@@ -46,9 +51,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="results.json of bench/decode.py")
     ap.add_argument("--against", help="results.json of another run to compare every Nq = 1 cell with")
+    ap.add_argument("--kind", choices=("graph_ms", "queued_ms"),
+                    help="the time every ratio uses (default: graph_ms where the run has it)")
     args = ap.parse_args(argv)
     with open(args.results) as f:
         run = json.load(f)
+    global KIND
+    timed = all("graph_ms" in t for r in run["rows"] for t in r["ms"].values())
+    KIND = args.kind or ("graph_ms" if timed else "queued_ms")
+    print(f"times: {KIND}")
     rows = [r for r in run["rows"] if over_cudnn(r) is not None]
 
     print("| dtype | D | Nq | cells | median | least | cells at 1.0 or more | at 0.95 or more |")
@@ -82,7 +93,9 @@ def main(argv=None):
         with open(args.against) as f:
             other = {key(r): r for r in json.load(f)["rows"] if over_cudnn(r) is not None}
         xs = [over_cudnn(r) / over_cudnn(other[key(r)]) for r in single if key(r) in other]
-        if xs:
+        if not xs:
+            print(f"against {args.against}: no Nq = 1 cell timed by {KIND} in both runs")
+        else:
             print(f"against {args.against}: {len(xs)} Nq = 1 cells, cuflash / cuDNN here over there: "
                   f"{percentile(xs, 0.1):.2f} / {statistics.median(xs):.2f} / {percentile(xs, 0.9):.2f} "
                   f"(10th percentile / median / 90th)")

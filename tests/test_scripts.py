@@ -92,10 +92,14 @@ def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
     if not script.is_file():
         pytest.skip("bench/summarize_decode.py is not beside the tests (they run outside a source checkout)")
 
-    def row(b, hkv, nq, cuflash_ms, cudnn_ms, paged_ms=None):
-        ms = {"cuflash": {"queued_ms": cuflash_ms}, "torch-cudnn": {"queued_ms": cudnn_ms}}
+    def row(b, hkv, nq, cuflash_ms, cudnn_ms, paged_ms=None, kinds=("graph_ms", "queued_ms")):
+        # the eager (queued) times are the graph's plus 1 ms of host time: ratios from them differ
+        def times(t):
+            return {kind: t + (1.0 if kind == "queued_ms" else 0.0) for kind in kinds}
+
+        ms = {"cuflash": times(cuflash_ms), "torch-cudnn": times(cudnn_ms)}
         if paged_ms is not None:
-            ms["cuflash paged 16"] = {"queued_ms": paged_ms}
+            ms["cuflash paged 16"] = times(paged_ms)
         return {"dtype": "float16", "D": 128, "B": b, "Hq": 32, "Hkv": hkv, "Nk": 2**17, "Nq": nq,
                 "bytes": 2 * b * hkv * 2**17 * 128 * 2, "ms": ms}
 
@@ -106,6 +110,7 @@ def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
     loops = [{"dtype": "float16", "D": 128, "B": 1, "Hq": 32, "Hkv": 8, "Nk": 4096, "steps": 256,
               "eager_ms": 9.0, "graph_ms": 3.5}]
     lines = run_against(script, tmp_path, {"rows": now, "loops": loops}, {"rows": before})
+    assert lines[0] == "times: graph_ms"
     # cuflash / cuDNN: 4.0 and 0.4 at Nq = 1 (1.0 and 1.0 before), 10 at Nq = 4
     assert "| fp16 | 128 | 1 | 2 | 2.20 | 0.40 | 1 | 1 |" in lines
     assert "| fp16 | 128 | 4 | 1 | 10.00 | 10.00 | 1 | 1 |" in lines
@@ -114,3 +119,13 @@ def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
     assert "pages of 16: 1 cells, median 0.50 of contiguous, least 0.50, 0 at 0.9 or more" in lines
     assert any(line.startswith("loop of 256 steps") and "one CUDA graph 3.50 ms" in line for line in lines)
     assert lines[-1].endswith("0.40 / 2.20 / 4.00 (10th percentile / median / 90th)"), lines[-1]
+    # a run timed only eagerly (before graph replays): its queued times, 1.2 / 1.05 = 1.14 at
+    # Nq = 1, and 1.14 in the graph-timed run's queued times too; but a graph-timed run has no
+    # graph time in common with it
+    eager = [row(1, 8, 1, 0.05, 0.2, kinds=("queued_ms",))]
+    lines = run_against(script, tmp_path, {"rows": eager}, {"rows": now})
+    assert lines[0] == "times: queued_ms"
+    assert "| fp16 | 128 | 1 | 1 | 1.14 | 1.14 | 1 | 1 |" in lines
+    assert lines[-1].endswith("1.00 / 1.00 / 1.00 (10th percentile / median / 90th)"), lines[-1]
+    lines = run_against(script, tmp_path, {"rows": now}, {"rows": eager})
+    assert lines[-1].endswith("no Nq = 1 cell timed by graph_ms in both runs"), lines[-1]
