@@ -161,7 +161,6 @@ def take_turns(impls: dict, rounds: int) -> dict:
                 samples[name]["graph_ms"].append(graphs[name].replay_ms())
                 samples[name]["queued_ms"].append(queued_calls_ms(impl.fns, calls[name]))
                 samples[name]["call_ms"].append(one_call_ms(impl.fns[r % len(impl.fns)]))
-    del graphs
     return {n: {kind: float(np.median(v)) for kind, v in samples[n].items()} for n in names}
 
 
