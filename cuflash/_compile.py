@@ -26,6 +26,7 @@ KERNEL_FILES = (
     "arch/wgmma.cuh",
     "arch/mbarrier.cuh",
     "arch/tma.cuh",
+    "arch/grid_dependency.cuh",
     # attention/: what every kernel shares
     "attention/mask.cuh",
     "attention/softmax.cuh",

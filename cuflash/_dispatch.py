@@ -14,9 +14,9 @@ from ._launch import (
     Launches, TileListLaunch, blocks_per_sm, sm_count,
 )
 from ._tiles import (
-    ELEMENT_TYPES, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, fwd_name, fwd_tiles,
-    head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, sm90_bwd_names, sm90_bwd_tiles, sm90_fwd_tiles,
-    sum_parts_name,
+    ELEMENT_TYPES, KEY_RUNS, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, fwd_name,
+    fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, sm90_bwd_names, sm90_bwd_tiles,
+    sm90_fwd_tiles, sum_parts_name,
 )
 
 MERGE_THREADS = 256   # kernels/decode/merge.cuh: one block of MergeTiles::WARPS warps per row
@@ -182,12 +182,14 @@ def backward_launches(x) -> Launches:
 
 DECODE_SPLIT_COST = 2      # key blocks' worth of time a block spends starting and ending
 DECODE_MERGE_ROUND = 0.5   # key blocks' worth of one round trip to L2 in the merge of the splits
+DECODE_RUNS_MIN_SPLIT_KEYS = 256   # keys a split keeps at least over pages read run by run
 
 
 def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, block_n: int,
-                  rows: int = 1) -> tuple[int, int]:
+                  rows: int = 1, min_keys: int = 0) -> tuple[int, int]:
     """(splits, keys per split) of the keys of each (sequence, entry): forced, or the count
-    with the shortest modelled time (flash-decoding; a split keeps at least two key blocks):
+    with the shortest modelled time (flash-decoding; a split keeps at least two key blocks
+    and ``min_keys`` keys):
     waves of ``slots`` blocks, each reading its key blocks plus a fixed cost, then the merge
     of the splits by the last block of each row group, whose four warps take its ``rows``
     rows in turn, each an L2 round trip for the parts' lse and one per eight parts."""
@@ -200,7 +202,8 @@ def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, blo
             merge = DECODE_SPLIT_COST + -(-rows // 4) * (1 + -(-s // 8)) * DECODE_MERGE_ROUND
             return waves + (merge if s > 1 else 0)
 
-        forced = min(range(1, max(1, min(128, key_blocks // 2)) + 1), key=time)
+        least = max(2, -(-min_keys // block_n))   # key blocks a split keeps
+        forced = min(range(1, max(1, min(128, key_blocks // least)) + 1), key=time)
     per_split = -(-key_blocks // forced) * block_n
     return -(-max(longest, 1) // per_split), per_split
 
@@ -220,8 +223,11 @@ def kvcache_launches(x) -> KVCacheLaunches:
     decode = _compile.get_function(tiles.name(x.dtype_name, head_dim), smem)
     blocks = x.batch * x.entries * row_groups
     per_sm = 1 if tiles.streams_alone(head_dim, itemsize) else blocks_per_sm(decode, 128, smem)
+    # (pages read run by run pack two blocks per SM, and splits of two 64-key blocks there
+    # spend more on their fixed costs than the model counts: bench/NOTES.md v24)
+    min_keys = DECODE_RUNS_MIN_SPLIT_KEYS if tiles.layout == KEY_RUNS else 0
     splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(), tiles.block_n,
-                                       min(rows, tiles.block_rows))
+                                       min(rows, tiles.block_rows), min_keys)
     left, right = _params.window_sides(x.left, x.right, x.nq, x.capacity)
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
@@ -238,10 +244,14 @@ def kvcache_launches(x) -> KVCacheLaunches:
         scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,
     )
     runs = []
+    # (Hopper: each kernel starts under the tail of the one before; bench/NOTES.md v24)
+    programmatic = _compile.current_arch() == "sm_90a"
     if x.n_new and x.batch * x.entries:
         append = _compile.get_function(f"cuflash::kvcache_append<{elem}>", 0)
-        runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, DECODE_FIELDS))
+        runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, DECODE_FIELDS,
+                           programmatic=programmatic))
     if rows and x.batch * x.entries:
-        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, smem, params, DECODE_FIELDS))
+        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, smem, params, DECODE_FIELDS,
+                           programmatic=programmatic))
     parts = (splits, x.batch * x.entries * rows, x.dv, x.batch * x.entries * row_groups) if splits > 1 else None
     return KVCacheLaunches(tuple(runs), x.out_shape, parts)

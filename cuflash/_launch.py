@@ -3,13 +3,15 @@ call's pointers and launched through the driver, and the occupancy that sizes gr
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import operator
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import _params
+from . import _gpu, _params
 
 # The arrays of a call, in the order the launches' ``fields`` index them: a record's
 # pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
@@ -37,6 +39,9 @@ class Launch:
     fields: tuple[int, ...] = FWD_FIELDS  # the record's pointers, as indices into the arrays
     # the Q, K, V tensor maps the record takes per call (_tensor_map.AttentionMaps), or None
     maps: object = None
+    # launched with programmatic stream serialization (Hopper; the kernel waits for the grids
+    # before it: kernels/arch/grid_dependency.cuh), so that it starts under their tail
+    programmatic: bool = False
 
     def __post_init__(self):
         # the record as launches read it, built once per plan rather than per call
@@ -45,6 +50,8 @@ class Launch:
         object.__setattr__(self, "_grid", tuple(self.grid) + (1,) * (3 - len(self.grid)))
         pick = operator.itemgetter(*self.fields)
         object.__setattr__(self, "_pick", pick if len(self.fields) > 1 else lambda arrays: (pick(arrays),))
+        if self.programmatic:
+            object.__setattr__(self, "_config", _programmatic_config(self._grid, self.threads, self.smem))
 
     def run(self, arrays, stream: int | None = None) -> None:
         """Launches on ``stream`` (a handle), by default the current stream; ``arrays`` holds
@@ -58,11 +65,51 @@ class Launch:
             record.fill(pointers)
             if self.maps is not None:   # (q, k, v: the first three pointers of FWD_FIELDS)
                 record.write(_params.WS_MAPS_OFFSET, self.maps.encoded(*pointers[:3]))
-            driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
-                                record.kernel_params, 0)
+            if self.programmatic:
+                config, attribute = self._config
+                config.stream = stream
+                status = _launch_kernel_ex()(ctypes.byref(config), self._function, record.kernel_params, None)
+                if status != 0:
+                    raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status})")
+            else:
+                driver.launchKernel(self._function, gx, gy, gz, self.threads, 1, 1, self.smem, stream,
+                                    record.kernel_params, 0)
 
 
 _modules: tuple = ()
+
+# cuLaunchKernelEx's configuration (cuda.h: CUlaunchConfig, CUlaunchAttribute), for the one
+# attribute cuflash sets: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value 1.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _programmatic_config(grid, threads: int, smem: int) -> tuple:
+    """(config, its attribute) of a programmatic launch, all but the stream (the attribute is
+    kept beside the config, which points to it)."""
+    attribute = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value[0] = 1
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem, None,
+                           ctypes.pointer(attribute), 1)
+    return config, attribute
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_kernel_ex():
+    """The driver's cuLaunchKernelEx, through ctypes (CuPy's driver bindings have no launch
+    with attributes), as _tensor_map takes cuTensorMapEncodeTiled."""
+    launch = ctypes.CDLL(_gpu.DRIVER_LIBRARY).cuLaunchKernelEx
+    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    return launch
 
 
 def _launch_modules():

@@ -228,6 +228,20 @@ def test_decoding_loop_in_a_cuda_graph(num_splits):
         assert np.array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
 
 
+def test_kernels_launch_programmatically_on_hopper():
+    """On Hopper the append and the decoding kernel are launched with programmatic stream
+    serialization (each may start under the tail of the kernel before it and waits for it
+    before touching memory), elsewhere the ordinary way: so every kvcache test here runs
+    through the launch that users get on this GPU."""
+    from cuflash import _compile, _plans
+
+    rng = np.random.default_rng(3)
+    q, k, v, (kn, vn), _ = _cache_problem(rng, "float16", 2, 2, 4, 1, 64, 64, False, None, [5, 9], 2)
+    plan, _ = _plans.kvcache(q, k, v, kn, vn, 5, None, False, None, None, None, True)
+    assert len(plan.launches.runs) == 2
+    assert all(run.programmatic == (_compile.current_arch() == "sm_90a") for run in plan.launches.runs)
+
+
 def _split_problem(rng, batch, hkv, group, nk, d=128):
     q = random_array(rng, (batch, hkv, group, 1, d), "bfloat16", 2.0)
     k = random_array(rng, (batch, hkv, 1, nk, d), "bfloat16")

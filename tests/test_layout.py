@@ -322,3 +322,43 @@ def test_per_stream_memory_keys_tell_streams_and_threads_apart():
     keys.append(_launch._stream_key(0, per_thread))
     assert len(set(keys)) == len(keys), (idents, keys)
     assert all(k[:2] == (0, per_thread) for k in keys)
+
+
+def test_programmatic_launch_config_is_cuda_h_layout():
+    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out
+    (64-bit): the attribute 72 bytes (id, padding to 8, a 64-byte value union), the config 56
+    (grid, block, shared bytes, then the stream at 32, the attributes at 40 and their count at
+    48); a programmatic launch's one attribute asks for programmatic stream serialization."""
+    import ctypes
+
+    from cuflash import _launch
+
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
+    assert _launch._LaunchAttribute.value.offset == 8
+    config_type = _launch._LaunchConfig
+    assert ctypes.sizeof(config_type) == 56
+    assert (config_type.smem.offset, config_type.stream.offset, config_type.attrs.offset,
+            config_type.num_attrs.offset) == (24, 32, 40, 48)
+    config, attribute = _launch._programmatic_config((3, 5, 7), 128, 1000)
+    assert (list(config.grid), list(config.block), config.smem, config.num_attrs) == ([3, 5, 7], [128, 1, 1], 1000, 1)
+    assert ctypes.addressof(config.attrs.contents) == ctypes.addressof(attribute)
+    assert attribute.id == 6 and attribute.value[0] == 1 and not any(attribute.value[1:])
+
+
+def test_decode_splits_keep_their_least_keys():
+    """Split decoding's plan keeps at least two key blocks per split and, where asked, at least
+    min_keys keys; every key lands in exactly one split; a forced count is taken as given."""
+    from cuflash import _dispatch
+
+    for longest in (1, 100, 4096, 32768, 131072):
+        for block_n in (64, 128):
+            for min_keys in (0, 256):
+                splits, per_split = _dispatch.decode_splits(8, longest, None, 132, block_n, 1, min_keys)
+                assert per_split % block_n == 0
+                assert (splits - 1) * per_split < max(longest, 1) <= splits * per_split
+                if splits > 1:
+                    assert per_split >= max(2 * block_n, min_keys)
+    # the case the floor is for: 4K keys of pages of 16 rows, 64-key blocks, 8 entries, 2 per SM
+    assert _dispatch.decode_splits(8, 4096, None, 264, 64, 4)[1] == 128
+    assert _dispatch.decode_splits(8, 4096, None, 264, 64, 4, 256)[1] == 256
+    assert _dispatch.decode_splits(8, 4096, 5, 264, 64, 4, 256) == (5, 832)

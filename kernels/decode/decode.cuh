@@ -81,6 +81,8 @@ static_assert(sizeof(DecodeParams) == CUFLASH_DECODE_PARAMS_BYTES, "DecodeParams
 template <class T>
 __global__ void __launch_bounds__(128) kvcache_append(const DecodeParams p) {
     using Storage = typename T::storage;
+    wait_for_prior_grids();
+    allow_dependent_grids();
     const index_t n = index_t(blockIdx.x);
     const int i = int(n % p.n_new), e = int(n / p.n_new % p.entries), b = int(n / (p.n_new * p.entries));
     const index_t j = index_t(p.cached(b)) + i;
@@ -144,6 +146,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     constexpr u32 SUB_BYTES = SubTile::BYTES, RUN_BYTES = RunTile::BYTES;
 
     extern __shared__ __align__(128) unsigned char smem[];
+    wait_for_prior_grids();   // (launched programmatically: the kernel before may still be writing)
+    allow_dependent_grids();
     const int be = blockIdx.x, split = blockIdx.y, b = be / int(p.entries), e = be % int(p.entries);
     const int row0 = blockIdx.z * ROWS, rows = min(ROWS, int(p.rows) - row0);
     const int nq = int(p.nq), d = int(p.d), dv = int(p.dv), warp = threadIdx.x / 32;

@@ -391,14 +391,21 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
                 for (int e = 0; e < 4; ++e) s_exchange[(nt * 4 + e) * 128 + rank] = s[0][nt][e];
             named_barrier_arrive<1, THREADS>();
         } else {
-            // ds^T = p^T (dp^T - delta of each query column)
+            // ds^T = p^T (dp^T - delta of each query column). The deltas are read before the
+            // named barrier: ordered by the step barrier alone, as warp 0's refill of the stage
+            // is, rather than by both (compute-sanitizer's racecheck reported the pair otherwise).
             const float* delta = s_delta + stage * STEP;
+            float column_delta[S_TILES][2];
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) column_delta[nt][h] = delta[nt * 8 + 2 * t + h];
             named_barrier_sync<1, THREADS>();
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    s[0][nt][e] = s_exchange[(nt * 4 + e) * 128 + rank] * (s[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+                    s[0][nt][e] = s_exchange[(nt * 4 + e) * 128 + rank] * (s[0][nt][e] - column_delta[nt][e & 1]);
         }
 
         // warpgroup 0: dv += p^T dout; warpgroup 1: dk += ds^T q (scaled at the end)
