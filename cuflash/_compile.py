@@ -27,6 +27,7 @@ KERNEL_FILES = (
     "arch/mbarrier.cuh",
     "arch/tma.cuh",
     "arch/grid_dependency.cuh",
+    "arch/cluster.cuh",
     # attention/: what every kernel shares
     "attention/mask.cuh",
     "attention/softmax.cuh",
@@ -113,6 +114,7 @@ def _module_options(arch: str) -> tuple[str, ...]:
 
 _lock = threading.Lock()
 _functions: dict[tuple[int, str], object] = {}
+_smem_limits: dict[tuple[int, str], int] = {}   # each function's dynamic shared-memory limit, as raised
 
 
 _arch_by_device: dict[int, str] = {}
@@ -133,13 +135,13 @@ def get_function(name_expression: str, smem_bytes: int):
     """The compiled kernel for a template instantiation on the current device.
 
     Compiles on first use (serialized across threads) and raises the kernel's
-    dynamic shared-memory limit to ``smem_bytes``.
+    dynamic shared-memory limit to ``smem_bytes`` where it is lower.
     """
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), name_expression)
     fn = _functions.get(key)
-    if fn is not None:
+    if fn is not None and smem_bytes <= _smem_limits[key]:
         return fn
     with _lock:
         fn = _functions.get(key)
@@ -151,7 +153,9 @@ def get_function(name_expression: str, smem_bytes: int):
                 name_expressions=(name_expression,),
             )
             fn = module.get_function(name_expression)
-            if smem_bytes > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = smem_bytes
-            _functions[key] = fn
+            _smem_limits[key] = 48 * 1024
+        if smem_bytes > _smem_limits[key]:
+            fn.max_dynamic_shared_size_bytes = smem_bytes
+            _smem_limits[key] = smem_bytes
+        _functions[key] = fn
     return fn

@@ -11,7 +11,7 @@ import numpy as np
 from . import _compile, _params, _tensor_map
 from ._launch import (
     DECODE_FIELDS, DKDV_FIELDS, DQ_FIELDS, FWD_FIELDS, K_TILES, Q_TILES, WS_FWD_FIELDS, KVCacheLaunches, Launch,
-    Launches, TileListLaunch, blocks_per_sm, sm_count,
+    Launches, TileListLaunch, blocks_per_sm, cluster_slots, one_per_sm_smem, sm_count,
 )
 from ._tiles import (
     ELEMENT_TYPES, KEY_RUNS, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, fwd_name,
@@ -182,30 +182,47 @@ def backward_launches(x) -> Launches:
 
 DECODE_SPLIT_COST = 2      # key blocks' worth of time a block spends starting and ending
 DECODE_MERGE_ROUND = 0.5   # key blocks' worth of one round trip to L2 in the merge of the splits
+DECODE_CLUSTER_MERGE = 0.5   # key blocks' worth of a cluster's merge on chip (two barriers, one round trip)
+DECODE_MAX_CLUSTER = 16    # the most splits merged in a cluster (kernels/decode/decode.cuh)
 DECODE_RUNS_MIN_SPLIT_KEYS = 256   # keys a split keeps at least over pages read run by run
 
 
 def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, block_n: int,
-                  rows: int = 1, min_keys: int = 0) -> tuple[int, int]:
-    """(splits, keys per split) of the keys of each (sequence, entry): forced, or the count
-    with the shortest modelled time (flash-decoding; a split keeps at least two key blocks
-    and ``min_keys`` keys):
-    waves of ``slots`` blocks, each reading its key blocks plus a fixed cost, then the merge
-    of the splits by the last block of each row group, whose four warps take its ``rows``
-    rows in turn, each an L2 round trip for the parts' lse and one per eight parts."""
+                  rows: int = 1, min_keys: int = 0, cluster_slots=None) -> tuple[int, int, bool]:
+    """(splits, keys per split, clustered) of the keys of each (sequence, entry): the count
+    forced, or the one with the shortest modelled time (flash-decoding; a split keeps at least
+    two key blocks and ``min_keys`` keys), and how its splits merge:
+    waves of ``slots`` blocks, each reading its key blocks plus a fixed cost, then the merge.
+    Through global memory, by the last block of each row group, whose four warps take its
+    ``rows`` rows in turn, each an L2 round trip for the parts' lse and one per eight parts.
+    Or, where ``cluster_slots(s)`` (blocks that run at once in clusters of s; 0: none fit) is
+    given, in clusters of the splits: at most that many blocks at once, merged on chip."""
     key_blocks = max(1, -(-longest // block_n))
+    blocks = max(blocks, 1)
+
+    def room(s, clustered):
+        return min(slots, cluster_slots(s)) if clustered else slots
+
+    def time(s, clustered):
+        waves = -(-blocks * s // room(s, clustered)) * (-(-key_blocks // s) + DECODE_SPLIT_COST)
+        if s == 1:
+            return waves
+        if clustered:
+            return waves + DECODE_CLUSTER_MERGE
+        return waves + DECODE_SPLIT_COST + -(-rows // 4) * (1 + -(-s // 8)) * DECODE_MERGE_ROUND
+
+    def modes(s):
+        fits = cluster_slots is not None and 1 < s <= DECODE_MAX_CLUSTER and cluster_slots(s) > 0
+        return (False, True) if fits else (False,)
+
     if forced is None:
-        blocks = max(blocks, 1)
-
-        def time(s):
-            waves = -(-blocks * s // slots) * (-(-key_blocks // s) + DECODE_SPLIT_COST)
-            merge = DECODE_SPLIT_COST + -(-rows // 4) * (1 + -(-s // 8)) * DECODE_MERGE_ROUND
-            return waves + (merge if s > 1 else 0)
-
         least = max(2, -(-min_keys // block_n))   # key blocks a split keeps
-        forced = min(range(1, max(1, min(128, key_blocks // least)) + 1), key=time)
-    per_split = -(-key_blocks // forced) * block_n
-    return -(-max(longest, 1) // per_split), per_split
+        counts = range(1, max(1, min(128, key_blocks // least)) + 1)
+    else:
+        counts = (forced,)
+    per_split = -(-key_blocks // min(counts, key=lambda s: min(time(s, c) for c in modes(s)))) * block_n
+    splits = -(-max(longest, 1) // per_split)   # (as many as the keys fill, which a forced count may exceed)
+    return splits, per_split, min(modes(splits), key=lambda c: time(splits, c))
 
 
 def kvcache_launches(x) -> KVCacheLaunches:
@@ -222,12 +239,26 @@ def kvcache_launches(x) -> KVCacheLaunches:
     row_groups = -(-rows // tiles.block_rows)
     decode = _compile.get_function(tiles.name(x.dtype_name, head_dim), smem)
     blocks = x.batch * x.entries * row_groups
-    per_sm = 1 if tiles.streams_alone(head_dim, itemsize) else blocks_per_sm(decode, 128, smem)
+    hopper = _compile.current_arch() == "sm_90a"
+    alone = tiles.streams_alone(head_dim, itemsize)
+    per_sm = 1 if alone else blocks_per_sm(decode, 128, smem)
+    # (launched in clusters, a block that streams alone asks for shared memory enough to keep a
+    # multiprocessor to itself: a cluster's blocks may otherwise be placed two to one, each
+    # then streaming at half the rate; bench/NOTES.md v25)
+    cluster_smem = one_per_sm_smem(smem) if alone and hopper else smem
+    if cluster_smem > smem:
+        _compile.get_function(tiles.name(x.dtype_name, head_dim), cluster_smem)
     # (pages read run by run pack two blocks per SM, and splits of two 64-key blocks there
     # spend more on their fixed costs than the model counts: bench/NOTES.md v24)
     min_keys = DECODE_RUNS_MIN_SPLIT_KEYS if tiles.layout == KEY_RUNS else 0
-    splits, split_keys = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(), tiles.block_n,
-                                       min(rows, tiles.block_rows), min_keys)
+
+    def clusters(s):   # (Hopper: the splits of a row group in one cluster, merged on chip)
+        return cluster_slots(decode, 128, cluster_smem, s)
+
+    splits, split_keys, clustered = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(),
+                                                  tiles.block_n, min(rows, tiles.block_rows), min_keys,
+                                                  clusters if hopper else None)
+    cluster = splits if clustered else 1
     left, right = _params.window_sides(x.left, x.right, x.nq, x.capacity)
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
@@ -245,13 +276,15 @@ def kvcache_launches(x) -> KVCacheLaunches:
     )
     runs = []
     # (Hopper: each kernel starts under the tail of the one before; bench/NOTES.md v24)
-    programmatic = _compile.current_arch() == "sm_90a"
+    programmatic = hopper
     if x.n_new and x.batch * x.entries:
         append = _compile.get_function(f"cuflash::kvcache_append<{elem}>", 0)
         runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, DECODE_FIELDS,
                            programmatic=programmatic))
     if rows and x.batch * x.entries:
-        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, smem, params, DECODE_FIELDS,
-                           programmatic=programmatic))
-    parts = (splits, x.batch * x.entries * rows, x.dv, x.batch * x.entries * row_groups) if splits > 1 else None
+        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, cluster_smem if clustered else smem,
+                           params, DECODE_FIELDS,
+                           programmatic=programmatic, cluster=cluster))
+    # (a cluster's splits merge in shared memory: no partials, no counters)
+    parts = (splits, x.batch * x.entries * rows, x.dv, x.batch * x.entries * row_groups) if cluster < splits else None
     return KVCacheLaunches(tuple(runs), x.out_shape, parts)

@@ -42,6 +42,8 @@ class Launch:
     # launched with programmatic stream serialization (Hopper; the kernel waits for the grids
     # before it: kernels/arch/grid_dependency.cuh), so that it starts under their tail
     programmatic: bool = False
+    # blocks per cluster along the grid's y (Hopper: kernels/arch/cluster.cuh); 1: no clusters
+    cluster: int = 1
 
     def __post_init__(self):
         # the record as launches read it, built once per plan rather than per call
@@ -50,8 +52,11 @@ class Launch:
         object.__setattr__(self, "_grid", tuple(self.grid) + (1,) * (3 - len(self.grid)))
         pick = operator.itemgetter(*self.fields)
         object.__setattr__(self, "_pick", pick if len(self.fields) > 1 else lambda arrays: (pick(arrays),))
-        if self.programmatic:
-            object.__setattr__(self, "_config", _programmatic_config(self._grid, self.threads, self.smem))
+        extended = self.programmatic or self.cluster > 1
+        object.__setattr__(self, "_config", _launch_config(self._grid, self.threads, self.smem, self.programmatic,
+                                                           self.cluster) if extended else None)
+        if self.cluster > PORTABLE_CLUSTER:
+            allow_large_clusters(self._function)
 
     def run(self, arrays, stream: int | None = None) -> None:
         """Launches on ``stream`` (a handle), by default the current stream; ``arrays`` holds
@@ -65,10 +70,11 @@ class Launch:
             record.fill(pointers)
             if self.maps is not None:   # (q, k, v: the first three pointers of FWD_FIELDS)
                 record.write(_params.WS_MAPS_OFFSET, self.maps.encoded(*pointers[:3]))
-            if self.programmatic:
-                config, attribute = self._config
+            config = self._config
+            if config is not None:
                 config.stream = stream
-                status = _launch_kernel_ex()(ctypes.byref(config), self._function, record.kernel_params, None)
+                status = _driver_function("cuLaunchKernelEx", 4)(ctypes.byref(config), self._function,
+                                                                 record.kernel_params, None)
                 if status != 0:
                     raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status})")
             else:
@@ -78,9 +84,12 @@ class Launch:
 
 _modules: tuple = ()
 
-# cuLaunchKernelEx's configuration (cuda.h: CUlaunchConfig, CUlaunchAttribute), for the one
-# attribute cuflash sets: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value 1.
+# cuLaunchKernelEx's configuration (cuda.h: CUlaunchConfig, CUlaunchAttribute), for the two
+# attributes cuflash sets: programmatic stream serialization (value 1) and cluster dimensions.
+_CLUSTER_DIMENSION = 4
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14   # (a function attribute: CUfunction_attribute)
+PORTABLE_CLUSTER = 8   # blocks a cluster may have without allow_large_clusters
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -92,24 +101,35 @@ class _LaunchConfig(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-def _programmatic_config(grid, threads: int, smem: int) -> tuple:
-    """(config, its attribute) of a programmatic launch, all but the stream (the attribute is
-    kept beside the config, which points to it)."""
-    attribute = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attribute.value[0] = 1
-    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem, None,
-                           ctypes.pointer(attribute), 1)
-    return config, attribute
+def _launch_config(grid, threads: int, smem: int, programmatic: bool, cluster: int) -> _LaunchConfig:
+    """The config of a launch through cuLaunchKernelEx, all but the stream: programmatic
+    and/or in clusters of ``cluster`` blocks along y (the config holds its attributes)."""
+    attributes = []
+    if programmatic:
+        attributes.append(_LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION))
+        attributes[-1].value[0] = 1
+    if cluster > 1:
+        attributes.append(_LaunchAttribute(_CLUSTER_DIMENSION))
+        attributes[-1].value[:3] = (1, cluster, 1)
+    array = (_LaunchAttribute * len(attributes))(*attributes)
+    return _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem, None,
+                         ctypes.cast(array, ctypes.POINTER(_LaunchAttribute)), len(attributes))
 
 
-@functools.lru_cache(maxsize=1)
-def _launch_kernel_ex():
-    """The driver's cuLaunchKernelEx, through ctypes (CuPy's driver bindings have no launch
-    with attributes), as _tensor_map takes cuTensorMapEncodeTiled."""
-    launch = ctypes.CDLL(_gpu.DRIVER_LIBRARY).cuLaunchKernelEx
-    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    launch.restype = ctypes.c_int
-    return launch
+def allow_large_clusters(function: int) -> None:
+    """Lets ``function`` (a CUfunction) launch in clusters of up to 16 blocks (Hopper)."""
+    _launch_modules()[1].funcSetAttribute(function, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_function(name: str, pointers: int):
+    """A driver function that takes ``pointers`` pointers and returns a CUresult, through ctypes
+    (CuPy's driver bindings have neither a launch with attributes nor cluster occupancy), as
+    _tensor_map takes cuTensorMapEncodeTiled."""
+    function = getattr(ctypes.CDLL(_gpu.DRIVER_LIBRARY), name)
+    function.argtypes = [ctypes.c_void_p] * pointers
+    function.restype = ctypes.c_int
+    return function
 
 
 def _launch_modules():
@@ -176,6 +196,36 @@ def blocks_per_sm(fn, threads: int, smem: int) -> int:
     return n
 
 
+_cluster_slots: dict = {}
+
+
+def cluster_slots(fn, threads: int, smem: int, cluster: int) -> int:
+    """How many blocks of ``fn`` run at once when launched in clusters of ``cluster`` blocks
+    (Hopper): the clusters the driver finds room for at once (cuOccupancyMaxActiveClusters:
+    a cluster's blocks share one GPC) times their size; 0 where none fits."""
+    function = fn.kernel.ptr
+    key = (function, threads, smem, cluster)
+    n = _cluster_slots.get(key)
+    if n is None:
+        if cluster > PORTABLE_CLUSTER:
+            allow_large_clusters(function)
+        count = ctypes.c_int(0)
+        config = _launch_config((1, cluster, 1), threads, smem, False, cluster)
+        status = _driver_function("cuOccupancyMaxActiveClusters", 3)(ctypes.byref(count), function,
+                                                                     ctypes.byref(config))
+        n = _cluster_slots[key] = count.value * cluster if status == 0 else 0
+    return n
+
+
+def one_per_sm_smem(smem: int) -> int:
+    """Dynamic shared memory of at least ``smem`` bytes that leaves no room for a second block
+    beside a block's on one multiprocessor (over half of it, with the 1 KB each block takes)."""
+    import cupy
+
+    half = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"] // 2
+    return max(smem, half - 1024 + 16)
+
+
 _sm_counts: dict = {}
 
 
@@ -195,7 +245,8 @@ class KVCacheLaunches:
     """What an attention_kvcache call runs: the append (if any) and the decoding kernel,
     which merges its own splits, over the arrays of DECODE_POINTERS; and what it needs:
     out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)), lse, and with
-    splits their float32 partials and a counter per row group, from the stream's workspace."""
+    splits merged through global memory (not in clusters) their float32 partials and a
+    counter per row group, from the stream's workspace."""
 
     runs: tuple
     out_shape: tuple[int, ...]

@@ -459,9 +459,11 @@ class DecodeTiles:
     layout: int = KEY_BLOCKS
 
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-        # Q, then the K/V stages, which the warps' merge reuses afterwards
+        # Q, then the K/V stages, which the warps' merge reuses afterwards, and after it the
+        # block's float32 part (out, lse) where a cluster's blocks merge their splits
         stages = self.stages * 2 * self.block_n * head_dim * itemsize
-        return self.block_rows * head_dim * itemsize + max(stages, 4 * self.block_rows * (head_dim + 2) * 4)
+        merge = 4 * self.block_rows * (head_dim + 2) * 4 + self.block_rows * (head_dim + 1) * 4
+        return self.block_rows * head_dim * itemsize + max(stages, merge)
 
     def streams_alone(self, head_dim: int, itemsize: int) -> bool:
         """Whether split decoding plans one block per multiprocessor rather than as many as

@@ -231,15 +231,26 @@ def test_decoding_loop_in_a_cuda_graph(num_splits):
 def test_kernels_launch_programmatically_on_hopper():
     """On Hopper the append and the decoding kernel are launched with programmatic stream
     serialization (each may start under the tail of the kernel before it and waits for it
-    before touching memory), elsewhere the ordinary way: so every kvcache test here runs
-    through the launch that users get on this GPU."""
+    before touching memory), and a call of 2 to 16 splits in clusters of its splits, which
+    merge on chip without partials in global memory; elsewhere the ordinary way, the splits
+    merged through global memory. So every kvcache test here runs through the launches that
+    users get on this GPU."""
     from cuflash import _compile, _plans
 
+    hopper = _compile.current_arch() == "sm_90a"
     rng = np.random.default_rng(3)
     q, k, v, (kn, vn), _ = _cache_problem(rng, "float16", 2, 2, 4, 1, 64, 64, False, None, [5, 9], 2)
     plan, _ = _plans.kvcache(q, k, v, kn, vn, 5, None, False, None, None, None, True)
     assert len(plan.launches.runs) == 2
-    assert all(run.programmatic == (_compile.current_arch() == "sm_90a") for run in plan.launches.runs)
+    assert all(run.programmatic == hopper for run in plan.launches.runs)
+    q, k, v = _split_problem(rng, 1, 2, 4, 3072)   # (48 blocks of 64 keys: each count below as asked)
+    for splits in (2, 16, 24):
+        plan, _ = _plans.kvcache(q, k, v, None, None, None, None, False, None, None, splits, True)
+        (run,) = plan.launches.runs
+        clustered = hopper and splits <= 16
+        assert run.grid[1] == splits
+        assert run.cluster == (splits if clustered else 1)
+        assert (plan.launches.parts is None) == clustered
 
 
 def _split_problem(rng, batch, hkv, group, nk, d=128):
@@ -252,10 +263,11 @@ def _split_problem(rng, batch, hkv, group, nk, d=128):
 def test_split_counts_change_from_call_to_call():
     """Calls on one stream with split counts and grids that change from call to call: the
     counters each call leaves behind must be ready for the next. Each against the same
-    call with one split, whose result does not go through the merge."""
+    call with one split, whose result does not go through the merge. (On Hopper, counts up
+    to 16 merge in clusters, 16 the largest, and 20 and 24 through the counters.)"""
     rng = np.random.default_rng(8)
     cases = [(2, 2, 4, 1000, 3), (1, 3, 5, 700, 7), (3, 1, 1, 2000, 2), (2, 2, 4, 1000, 5), (1, 1, 8, 64, 2),
-             (2, 2, 4, 1000, 3), (4, 2, 2, 513, 9)]
+             (1, 2, 4, 5000, 16), (2, 1, 8, 7000, 24), (2, 2, 4, 1000, 3), (4, 2, 2, 513, 9), (1, 2, 2, 6000, 20)]
     for batch, hkv, group, nk, splits in cases:
         q, k, v = _split_problem(rng, batch, hkv, group, nk)
         lengths = cupy.asarray(rng.integers(0, nk + 1, size=batch), dtype=cupy.int32)

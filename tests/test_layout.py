@@ -324,12 +324,15 @@ def test_per_stream_memory_keys_tell_streams_and_threads_apart():
     assert all(k[:2] == (0, per_thread) for k in keys)
 
 
-def test_programmatic_launch_config_is_cuda_h_layout():
+def test_extended_launch_config_is_cuda_h_layout():
     """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out
     (64-bit): the attribute 72 bytes (id, padding to 8, a 64-byte value union), the config 56
     (grid, block, shared bytes, then the stream at 32, the attributes at 40 and their count at
-    48); a programmatic launch's one attribute asks for programmatic stream serialization."""
+    48). A programmatic launch asks for programmatic stream serialization (id 6, value 1), a
+    clustered one for cluster dimensions (id 4, value x, y, z), and one that is both for both;
+    the config keeps its attributes alive on its own."""
     import ctypes
+    import gc
 
     from cuflash import _launch
 
@@ -339,10 +342,15 @@ def test_programmatic_launch_config_is_cuda_h_layout():
     assert ctypes.sizeof(config_type) == 56
     assert (config_type.smem.offset, config_type.stream.offset, config_type.attrs.offset,
             config_type.num_attrs.offset) == (24, 32, 40, 48)
-    config, attribute = _launch._programmatic_config((3, 5, 7), 128, 1000)
-    assert (list(config.grid), list(config.block), config.smem, config.num_attrs) == ([3, 5, 7], [128, 1, 1], 1000, 1)
-    assert ctypes.addressof(config.attrs.contents) == ctypes.addressof(attribute)
-    assert attribute.id == 6 and attribute.value[0] == 1 and not any(attribute.value[1:])
+    cases = {(True, 1): [(6, [1, 0, 0])], (False, 4): [(4, [1, 4, 1])], (True, 16): [(6, [1, 0, 0]), (4, [1, 16, 1])]}
+    for (programmatic, cluster), expected in cases.items():
+        config = _launch._launch_config((3, 16, 7), 128, 1000, programmatic, cluster)
+        gc.collect()
+        assert (list(config.grid), list(config.block), config.smem, config.num_attrs) == ([3, 16, 7], [128, 1, 1], 1000,
+                                                                                         len(expected))
+        got = [(config.attrs[i].id, list(config.attrs[i].value[:3])) for i in range(config.num_attrs)]
+        assert got == expected
+        assert not any(v for i in range(config.num_attrs) for v in config.attrs[i].value[3:])
 
 
 def test_decode_splits_keep_their_least_keys():
@@ -353,7 +361,8 @@ def test_decode_splits_keep_their_least_keys():
     for longest in (1, 100, 4096, 32768, 131072):
         for block_n in (64, 128):
             for min_keys in (0, 256):
-                splits, per_split = _dispatch.decode_splits(8, longest, None, 132, block_n, 1, min_keys)
+                splits, per_split, clustered = _dispatch.decode_splits(8, longest, None, 132, block_n, 1, min_keys)
+                assert not clustered
                 assert per_split % block_n == 0
                 assert (splits - 1) * per_split < max(longest, 1) <= splits * per_split
                 if splits > 1:
@@ -361,4 +370,26 @@ def test_decode_splits_keep_their_least_keys():
     # the case the floor is for: 4K keys of pages of 16 rows, 64-key blocks, 8 entries, 2 per SM
     assert _dispatch.decode_splits(8, 4096, None, 264, 64, 4)[1] == 128
     assert _dispatch.decode_splits(8, 4096, None, 264, 64, 4, 256)[1] == 256
-    assert _dispatch.decode_splits(8, 4096, 5, 264, 64, 4, 256) == (5, 832)
+    assert _dispatch.decode_splits(8, 4096, 5, 264, 64, 4, 256) == (5, 832, False)
+
+
+def test_decode_splits_in_clusters():
+    """Where clusters can take the splits (Hopper), the plan weighs, count by count, their merge
+    on chip, which costs less than the merge through global memory, against the room clusters
+    leave: it never clusters a count the driver finds no room for, and without room for any
+    it plans as without clusters. 8 entries of 4K keys, 64-key blocks, one block per SM."""
+    from cuflash import _dispatch
+
+    plain = _dispatch.decode_splits(8, 4096, None, 132, 64, 4)
+    assert plain[0] > 8 and not plain[2]
+    assert _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda s: 0) == plain
+    splits, _, clustered = _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda s: 128)
+    assert clustered and 1 < splits <= _dispatch.DECODE_MAX_CLUSTER
+    # clusters above 8 find no room: those counts merge through global memory
+    for longest in (4096, 32768):
+        splits, _, clustered = _dispatch.decode_splits(8, longest, None, 132, 64, 4, 0, lambda s: 128 if s <= 8 else 0)
+        assert clustered == (splits <= 8)
+    # room for 96 blocks in clusters of 16: one wave of 128 needs the global merge
+    assert _dispatch.decode_splits(8, 32768, 16, 132, 64, 4, 0, lambda s: 96)[2] is False
+    # a forced count is taken as given, merged where it costs less
+    assert _dispatch.decode_splits(8, 4096, 5, 132, 64, 4, 0, lambda s: 128) == (5, 832, True)

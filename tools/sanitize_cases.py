@@ -124,7 +124,8 @@ for cu, d in itertools.product(([0, 300, 100, 5000], [-7, 120, 2**31 - 1], [0, 2
 
 # the KV cache: appends and decoding, contiguous and paged (page size 7: rows across pages;
 # 16: runs of 16 rows, each copied by threads of its own, under 8 and 32 query rows per block),
-# GQA, forced splits; then bad lengths and pages under check=False (clamped, inside the arrays)
+# GQA, forced splits (merged in clusters and not); then bad lengths and pages under check=False
+# (clamped, inside the arrays)
 for dtype in ("float16", "bfloat16", "float32"):
     q = randn((3, 2, 4, 2, 64), dtype)
     k, v = randn((3, 2, 1, 300, 64), dtype), randn((3, 2, 1, 300, 64), dtype)
@@ -134,6 +135,10 @@ for dtype in ("float16", "bfloat16", "float32"):
         out = cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=lengths, causal=True,
                                         num_splits=splits)
         ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
+    # (on Hopper, 3 splits merge in a cluster; 32, past the largest cluster, through global memory)
+    long_k, long_v = randn((1, 2, 1, 4096, 64), dtype), randn((1, 2, 1, 4096, 64), dtype)
+    out = cuflash.attention_kvcache(q[:1], long_k, long_v, num_splits=32)
+    ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
     bad = cupy.asarray([-9, 5000, 2**31 - 1], dtype=cupy.int32)
     for page_size, rows in ((7, q), (16, q), (16, randn((3, 2, 8, 4, 64), dtype))):
         per_seq = -(-300 // page_size)

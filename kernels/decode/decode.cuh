@@ -10,7 +10,9 @@
 // with its own online softmax, and the warps' partial results are merged at the end. With
 // several splits each block writes a float32 partial (out, lse) and counts itself
 // done; the last block of its rows to finish merges the splits' partials by
-// logsumexp (one launch, and the merge starts as the last split ends).
+// logsumexp (one launch, and the merge starts as the last split ends). On Hopper a
+// call of a few splits is launched in clusters of its splits instead, and the blocks
+// keep their partials in shared memory and merge them together, reading each other's.
 #pragma once
 
 namespace cuflash {
@@ -119,6 +121,10 @@ __device__ __forceinline__ void load_rows_async(u32 s_tile, RowPtr row_ptr, int 
 // hold whole blocks); RUNS: pages of whole 16-row runs, one table read per run; ROWS:
 // any page size, every row looked up.
 enum class KeyLayout : int { BLOCKS = 0, RUNS = 1, ROWS = 2 };
+
+// The most splits a call launched in clusters has (cuflash/_dispatch.py: DECODE_MAX_CLUSTER):
+// 16 needs the non-portable cluster size, which Hopper allows.
+constexpr int DECODE_MAX_CLUSTER = 16;
 
 // The decoding kernel's block: four warps, BLOCK_N keys per pipeline stage (BLOCK_N / 4
 // per warp, 64 or 128: narrow heads take more keys per stage, so that a stage moves as many
@@ -309,6 +315,10 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     }
     __syncthreads();
     const bool parts = p.splits > 1;
+    // (clusters: the splits of these rows are this cluster's blocks, and the parts stay here)
+    const bool clustered = parts && cluster_blocks() > 1;
+    float* s_part = s_acc + Tiles::WARPS * ROWS * HEAD_DIM;   // [ROWS][HEAD_DIM], then lse [ROWS]
+    float* s_part_lse = s_part + ROWS * HEAD_DIM;
     const index_t out_row0 = index_t(be) * p.rows + row0;
     for (int r = warp; r < rows; r += Tiles::WARPS) {
         // the row's reference m: the best (largest scaled) m among the warps that saw a key
@@ -333,20 +343,27 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         const float inv = total == 0.f ? 0.f : 1.f / total;
         const float lse2 = fmaf(OnlineSoftmax<T, M_TILES>::base_of(best), scale_log2, float(T::P_SHIFT)) + log2f(total);
         const float row_lse = total == 0.f ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
-        for (int c = threadIdx.x % 32; c < dv; c += 32) {
+        for (int c = threadIdx.x % 32; c < (clustered ? HEAD_DIM : dv); c += 32) {
             float o = 0.f;
 #pragma unroll
             for (int w = 0; w < Tiles::WARPS; ++w) o += weight[w] * s_acc[(w * ROWS + r) * HEAD_DIM + c];
             o *= inv;
-            if (parts) p.part_out[(index_t(split) * p.batch * p.entries * p.rows + out_row0 + r) * dv + c] = o;
+            if (clustered) s_part[r * HEAD_DIM + c] = o;
+            else if (parts) p.part_out[(index_t(split) * p.batch * p.entries * p.rows + out_row0 + r) * dv + c] = o;
             else Store<T>::one(static_cast<Storage*>(p.out) + (out_row0 + r) * dv + c, saturate<T>(o));
         }
         if (threadIdx.x % 32 == 0) {
-            if (parts) p.part_lse[index_t(split) * p.batch * p.entries * p.rows + out_row0 + r] = row_lse;
+            if (clustered) s_part_lse[r] = row_lse;
+            else if (parts) p.part_lse[index_t(split) * p.batch * p.entries * p.rows + out_row0 + r] = row_lse;
             else p.lse[out_row0 + r] = row_lse;
         }
     }
     if (!parts) return;
+    if (clustered) {
+        merge_cluster_parts<T, HEAD_DIM, DECODE_MAX_CLUSTER>(rows, dv, smem_address(s_part), smem_address(s_part_lse),
+                                                            static_cast<Storage*>(p.out) + out_row0 * dv, p.lse + out_row0);
+        return;
+    }
 
     // The last of the rows' splits to finish merges them: partials visible everywhere
     // before the count (a fence), the count taken by atomicInc, which wraps to 0 at

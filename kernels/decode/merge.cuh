@@ -194,6 +194,53 @@ __device__ __forceinline__ void merge_rows_by_warp(int parts, int dv, index_t fi
     }
 }
 
+// The splits of a decoding call launched in clusters of its splits, one per block (Hopper):
+// each block has left its rows' part in its own shared memory, out at s_out ([row][HEAD_DIM]
+// floats, columns to HEAD_DIM written) and lse at s_lse ([row]). After the cluster's barrier
+// the blocks share the merge, thread i of rank k taking the float4 column chunk i + k * THREADS
+// (and so on) of the rows, all its parts' lse and outputs read from the peers at once: one
+// round trip on chip, where the global merge waits for the partials' writes, a fence, a count
+// and two round trips to L2. out and lse point at the rows' first.
+template <class T, int HEAD_DIM, int MAX_PARTS>
+__device__ __forceinline__ void merge_cluster_parts(int rows, int dv, u32 s_out, u32 s_lse, void* out, float* lse) {
+    using Storage = typename T::storage;
+    constexpr int CHUNKS = HEAD_DIM / 4;
+    const int parts = cluster_blocks(), rank = cluster_rank();
+    cluster_sync();
+    for (int i = rank * int(blockDim.x) + int(threadIdx.x); i < rows * CHUNKS; i += parts * int(blockDim.x)) {
+        const int r = i / CHUNKS, c = 4 * (i % CHUNKS);
+        if (c >= dv) continue;
+        float l[MAX_PARTS];
+        float4 o[MAX_PARTS];
+#pragma unroll
+        for (int s = 0; s < MAX_PARTS; ++s)
+            if (s < parts) {
+                l[s] = load_peer(peer_smem(s_lse + 4 * r, s));
+                o[s] = load_peer4(peer_smem(s_out + 4 * (r * HEAD_DIM + c), s));
+            }
+        float top = -CUFLASH_INF;   // (fmaxf passes NaN over: a NaN part's exp below keeps it)
+#pragma unroll
+        for (int s = 0; s < MAX_PARTS; ++s)
+            if (s < parts) top = fmaxf(top, l[s]);
+        float sum = 0.f;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < MAX_PARTS; ++s)
+            if (s < parts && l[s] != -CUFLASH_INF) {   // (a part without keys adds nothing)
+                const float w = expf(l[s] - top);
+                sum += w;
+                a.x = fmaf(w, o[s].x, a.x), a.y = fmaf(w, o[s].y, a.y);
+                a.z = fmaf(w, o[s].z, a.z), a.w = fmaf(w, o[s].w, a.w);
+            }
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;
+        Storage* dst = static_cast<Storage*>(out) + index_t(r) * dv + c;
+        Store<T>::pair(dst, saturate<T>(a.x * inv), saturate<T>(a.y * inv));
+        Store<T>::pair(dst + 2, saturate<T>(a.z * inv), saturate<T>(a.w * inv));
+        if (c == 0) lse[r] = sum == 0.f ? -CUFLASH_INF : top + logf(sum);   // (NaN with a NaN part)
+    }
+    cluster_sync();   // a block's shared memory stays until every peer has read it
+}
+
 // The parts are separate arrays of one shape, contiguous, reached through tables of
 // their addresses.
 template <class T>
