@@ -183,7 +183,7 @@ def backward_launches(x) -> Launches:
 DECODE_SPLIT_COST = 2      # key blocks' worth of time a block spends starting and ending
 DECODE_MERGE_ROUND = 0.5   # key blocks' worth of one round trip to L2 in the merge of the splits
 DECODE_CLUSTER_MERGE = 0.5   # key blocks' worth of a cluster's merge on chip (two barriers, one round trip)
-DECODE_MAX_CLUSTER = 16    # the most splits merged in a cluster (kernels/decode/decode.cuh)
+DECODE_MAX_CLUSTER = 16    # the most splits merged in a cluster (kernels/decode/decode.cuh: DecodeTiles)
 DECODE_RUNS_MIN_SPLIT_KEYS = 256   # keys a split keeps at least over pages read run by run
 
 

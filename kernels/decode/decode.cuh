@@ -122,10 +122,6 @@ __device__ __forceinline__ void load_rows_async(u32 s_tile, RowPtr row_ptr, int 
 // any page size, every row looked up.
 enum class KeyLayout : int { BLOCKS = 0, RUNS = 1, ROWS = 2 };
 
-// The most splits a call launched in clusters has (cuflash/_dispatch.py: DECODE_MAX_CLUSTER):
-// 16 needs the non-portable cluster size, which Hopper allows.
-constexpr int DECODE_MAX_CLUSTER = 16;
-
 // The decoding kernel's block: four warps, BLOCK_N keys per pipeline stage (BLOCK_N / 4
 // per warp, 64 or 128: narrow heads take more keys per stage, so that a stage moves as many
 // bytes and its fixed costs, the barrier and the softmax's reductions, spread over more).
@@ -135,6 +131,9 @@ struct DecodeTiles {
     static constexpr int BLOCK_N = BLOCK_N_;
     static constexpr int WARP_KEYS = BLOCK_N / WARPS;   // a warp's keys of a block: 16 or 32
     static constexpr int RUN = 16;                      // keys of one run in pages of 16
+    // the most splits a call launched in clusters has (cuflash/_dispatch.py: DECODE_MAX_CLUSTER;
+    // 16 needs the non-portable cluster size, which Hopper allows)
+    static constexpr int MAX_CLUSTER = 16;
     static_assert(WARP_KEYS % 16 == 0, "a warp takes whole 16-key products");
 };
 
@@ -360,7 +359,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     }
     if (!parts) return;
     if (clustered) {
-        merge_cluster_parts<T, HEAD_DIM, DECODE_MAX_CLUSTER>(rows, dv, smem_address(s_part), smem_address(s_part_lse),
+        merge_cluster_parts<T, HEAD_DIM, Tiles::MAX_CLUSTER>(rows, dv, smem_address(s_part), smem_address(s_part_lse),
                                                             static_cast<Storage*>(p.out) + out_row0 * dv, p.lse + out_row0);
         return;
     }
