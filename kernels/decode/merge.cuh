@@ -6,7 +6,8 @@
 // part, so the parts are spread over the block's warps (warp w takes parts w,
 // w + MergeTiles::WARPS, ...), each lane a set of output columns, and the warps' sums meet
 // in shared memory. The splits of a decoding call: merge_rows_by_warp, inside the decoding
-// kernel's last block of each row group, one warp per row.
+// kernel's last block of each row group, one warp per row; or, launched in clusters (Hopper),
+// merge_cluster_parts, shared by the cluster's blocks, from each other's shared memory.
 #pragma once
 
 namespace cuflash {
