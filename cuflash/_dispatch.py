@@ -184,45 +184,58 @@ DECODE_SPLIT_COST = 2      # key blocks' worth of time a block spends starting a
 DECODE_MERGE_ROUND = 0.5   # key blocks' worth of one round trip to L2 in the merge of the splits
 DECODE_CLUSTER_MERGE = 0.5   # key blocks' worth of a cluster's merge on chip (two barriers, one round trip)
 DECODE_MAX_CLUSTER = 16    # the most splits merged in a cluster (kernels/decode/decode.cuh: DecodeTiles)
+DECODE_GROUP_BATCH = 4     # clusters' parts loaded at once in a two-level merge (DecodeTiles::GROUP_BATCH)
 DECODE_RUNS_MIN_SPLIT_KEYS = 256   # keys a split keeps at least over pages read run by run
+DECODE_SHARED_GAIN = 0.15  # rate a second block on a multiprocessor adds to the first's reading
 
 
 def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, block_n: int,
-                  rows: int = 1, min_keys: int = 0, cluster_slots=None) -> tuple[int, int, bool]:
-    """(splits, keys per split, clustered) of the keys of each (sequence, entry): the count
+                  rows: int = 1, min_keys: int = 0, cluster_slots=None, sms: int | None = None) -> tuple[int, int, int]:
+    """(splits, keys per split, cluster) of the keys of each (sequence, entry): the count
     forced, or the one with the shortest modelled time (flash-decoding; a split keeps at least
     two key blocks and ``min_keys`` keys), and how its splits merge:
     waves of ``slots`` blocks, each reading its key blocks plus a fixed cost, then the merge.
-    Through global memory, by the last block of each row group, whose four warps take its
-    ``rows`` rows in turn, each an L2 round trip for the parts' lse and one per eight parts.
-    Or, where ``cluster_slots(s)`` (blocks that run at once in clusters of s; 0: none fit) is
-    given, in clusters of the splits: at most that many blocks at once, merged on chip."""
+    Where a wave puts several blocks on each of the ``sms`` multiprocessors (default: one
+    each), they share its reading, each gaining DECODE_SHARED_GAIN of a block's rate per
+    block beside it.
+    Cluster 1: through global memory, by the last block of each row group, whose four warps
+    take its ``rows`` rows in turn, each an L2 round trip for the parts' lse and one per eight
+    parts. Or, where ``cluster_slots(c)`` (blocks that run at once in clusters of c; 0: none
+    fit) is given, in clusters of c splits (c dividing the count): at most that many blocks at
+    once, merged on chip; with fewer splits per cluster than the count, the clusters' parts
+    then through global memory, by the last block of each rank, its rows' columns at once."""
     key_blocks = max(1, -(-longest // block_n))
     blocks = max(blocks, 1)
 
-    def room(s, clustered):
-        return min(slots, cluster_slots(s)) if clustered else slots
-
-    def time(s, clustered):
-        waves = -(-blocks * s // room(s, clustered)) * (-(-key_blocks // s) + DECODE_SPLIT_COST)
+    def time(s, c):
+        room = min(slots, cluster_slots(c)) if c > 1 else slots
+        per_sm = -(-min(blocks * s, room) // (sms or room))   # (blocks that share a multiprocessor)
+        streaming = -(-key_blocks // s) * per_sm / (1 + DECODE_SHARED_GAIN * (per_sm - 1))
+        waves = -(-blocks * s // room) * (streaming + DECODE_SPLIT_COST)
         if s == 1:
             return waves
-        if clustered:
+        if c == 1:
+            return waves + DECODE_SPLIT_COST + -(-rows // 4) * (1 + -(-s // 8)) * DECODE_MERGE_ROUND
+        if c == s:
             return waves + DECODE_CLUSTER_MERGE
-        return waves + DECODE_SPLIT_COST + -(-rows // 4) * (1 + -(-s // 8)) * DECODE_MERGE_ROUND
+        return waves + DECODE_CLUSTER_MERGE + DECODE_SPLIT_COST + -(-(s // c) // DECODE_GROUP_BATCH) * DECODE_MERGE_ROUND
 
-    def modes(s):
-        fits = cluster_slots is not None and 1 < s <= DECODE_MAX_CLUSTER and cluster_slots(s) > 0
-        return (False, True) if fits else (False,)
+    def clusters(s):   # the merges open to s splits
+        if cluster_slots is None or s == 1:
+            return (1,)
+        return (1,) + tuple(c for c in range(2, min(s, DECODE_MAX_CLUSTER) + 1) if s % c == 0 and cluster_slots(c) > 0)
+
+    def best(s):
+        return min((time(s, c), c) for c in clusters(s))
 
     if forced is None:
         least = max(2, -(-min_keys // block_n))   # key blocks a split keeps
         counts = range(1, max(1, min(128, key_blocks // least)) + 1)
     else:
         counts = (forced,)
-    per_split = -(-key_blocks // min(counts, key=lambda s: min(time(s, c) for c in modes(s)))) * block_n
+    per_split = -(-key_blocks // min(counts, key=lambda s: best(s)[0])) * block_n
     splits = -(-max(longest, 1) // per_split)   # (as many as the keys fill, which a forced count may exceed)
-    return splits, per_split, min(modes(splits), key=lambda c: time(splits, c))
+    return splits, per_split, best(splits)[1]
 
 
 def kvcache_launches(x) -> KVCacheLaunches:
@@ -242,23 +255,23 @@ def kvcache_launches(x) -> KVCacheLaunches:
     hopper = _compile.current_arch() == "sm_90a"
     alone = tiles.streams_alone(head_dim, itemsize)
     per_sm = 1 if alone else blocks_per_sm(decode, 128, smem)
-    # (launched in clusters, a block that streams alone asks for shared memory enough to keep a
-    # multiprocessor to itself: a cluster's blocks may otherwise be placed two to one, each
-    # then streaming at half the rate; bench/NOTES.md v25)
-    cluster_smem = one_per_sm_smem(smem) if alone and hopper else smem
+    # (launched in clusters, a block that streams alone, or that reads pages, asks for shared
+    # memory enough to keep a multiprocessor to itself: a cluster's blocks may otherwise be
+    # placed two to one, each then streaming at half the rate; bench/NOTES.md v25, v26. The
+    # global merge's blocks of pages still plan two per SM, whose table reads hide each other's.)
+    cluster_smem = one_per_sm_smem(smem) if hopper and (alone or x.block_table is not None) else smem
     if cluster_smem > smem:
         _compile.get_function(tiles.name(x.dtype_name, head_dim), cluster_smem)
     # (pages read run by run pack two blocks per SM, and splits of two 64-key blocks there
     # spend more on their fixed costs than the model counts: bench/NOTES.md v24)
     min_keys = DECODE_RUNS_MIN_SPLIT_KEYS if tiles.layout == KEY_RUNS else 0
 
-    def clusters(s):   # (Hopper: the splits of a row group in one cluster, merged on chip)
-        return cluster_slots(decode, 128, cluster_smem, s)
+    def clusters(c):   # (Hopper: blocks at once in clusters of c splits of a row group, merged on chip)
+        return cluster_slots(decode, 128, cluster_smem, c)
 
-    splits, split_keys, clustered = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(),
-                                                  tiles.block_n, min(rows, tiles.block_rows), min_keys,
-                                                  clusters if hopper else None)
-    cluster = splits if clustered else 1
+    splits, split_keys, cluster = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(),
+                                                tiles.block_n, min(rows, tiles.block_rows), min_keys,
+                                                clusters if hopper else None, sm_count())
     left, right = _params.window_sides(x.left, x.right, x.nq, x.capacity)
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
@@ -282,9 +295,11 @@ def kvcache_launches(x) -> KVCacheLaunches:
         runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, DECODE_FIELDS,
                            programmatic=programmatic))
     if rows and x.batch * x.entries:
-        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, cluster_smem if clustered else smem,
+        runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, cluster_smem if cluster > 1 else smem,
                            params, DECODE_FIELDS,
                            programmatic=programmatic, cluster=cluster))
-    # (a cluster's splits merge in shared memory: no partials, no counters)
-    parts = (splits, x.batch * x.entries * rows, x.dv, x.batch * x.entries * row_groups) if cluster < splits else None
+    # (the partials through global memory, and a counter per row group, or per row group and
+    # rank for the clusters' parts; a row group's splits in one cluster need neither)
+    parts = (splits // cluster, x.batch * x.entries * rows, x.dv, x.batch * x.entries * row_groups * cluster) \
+        if cluster < splits else None
     return KVCacheLaunches(tuple(runs), x.out_shape, parts)

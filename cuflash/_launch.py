@@ -245,12 +245,12 @@ class KVCacheLaunches:
     """What an attention_kvcache call runs: the append (if any) and the decoding kernel,
     which merges its own splits, over the arrays of DECODE_POINTERS; and what it needs:
     out (the call's shape, whose memory is the kernels' (B, E, G * Nq, Dv)), lse, and with
-    splits merged through global memory (not in clusters) their float32 partials and a
-    counter per row group, from the stream's workspace."""
+    splits merged through global memory their float32 partials (one per split, or per
+    cluster of splits) and counters, from the stream's workspace."""
 
     runs: tuple
     out_shape: tuple[int, ...]
-    parts: tuple[int, int, int, int] | None   # (splits, rows, dv, row groups)
+    parts: tuple[int, int, int, int] | None   # (parts per row, rows, dv, counters)
 
     def run(self, cupy, device, dtype, return_lse, q, k, v, seqlens, block_table, k_new, v_new):
         """(out, lse) of a call on ``device`` (current); lse None without ``return_lse``."""
@@ -262,9 +262,9 @@ class KVCacheLaunches:
         stream = cupy.cuda.get_current_stream().ptr
         part_out = part_lse = counts = None
         if self.parts is not None:   # the counters, then the float32 partial outputs, then their lse
-            splits, rows, dv, groups = self.parts
-            counts, part_out = split_workspace(cupy, device, stream, 4 * groups, splits * rows * (dv + 1) * 4)
-            part_lse = part_out + splits * rows * dv * 4
+            parts, rows, dv, counters = self.parts
+            counts, part_out = split_workspace(cupy, device, stream, 4 * counters, parts * rows * (dv + 1) * 4)
+            part_lse = part_out + parts * rows * dv * 4
         arrays = (q, k, v, out, lse_ptr, seqlens, block_table, part_out, part_lse, counts, k_new, v_new)
         for launch in self.runs:
             launch.run(arrays, stream)

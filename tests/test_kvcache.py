@@ -232,9 +232,10 @@ def test_kernels_launch_programmatically_on_hopper():
     """On Hopper the append and the decoding kernel are launched with programmatic stream
     serialization (each may start under the tail of the kernel before it and waits for it
     before touching memory), and a call of 2 to 16 splits in clusters of its splits, which
-    merge on chip without partials in global memory; elsewhere the ordinary way, the splits
-    merged through global memory. So every kvcache test here runs through the launches that
-    users get on this GPU."""
+    merge on chip without partials in global memory, 24 in clusters whose parts then merge
+    through global memory, and 17 (prime) through global memory alone; elsewhere the
+    ordinary way, the splits merged through global memory. So every kvcache test here runs
+    through the launches that users get on this GPU."""
     from cuflash import _compile, _plans
 
     hopper = _compile.current_arch() == "sm_90a"
@@ -243,14 +244,19 @@ def test_kernels_launch_programmatically_on_hopper():
     plan, _ = _plans.kvcache(q, k, v, kn, vn, 5, None, False, None, None, None, True)
     assert len(plan.launches.runs) == 2
     assert all(run.programmatic == hopper for run in plan.launches.runs)
-    q, k, v = _split_problem(rng, 1, 2, 4, 3072)   # (48 blocks of 64 keys: each count below as asked)
-    for splits in (2, 16, 24):
+    for splits, nk in ((2, 3072), (16, 3072), (24, 3072), (17, 17 * 64)):   # (blocks of 64 keys: each count as asked)
+        q, k, v = _split_problem(rng, 1, 2, 4, nk)
         plan, _ = _plans.kvcache(q, k, v, None, None, None, None, False, None, None, splits, True)
         (run,) = plan.launches.runs
-        clustered = hopper and splits <= 16
         assert run.grid[1] == splits
-        assert run.cluster == (splits if clustered else 1)
-        assert (plan.launches.parts is None) == clustered
+        if not hopper or splits == 17:
+            assert run.cluster == 1 and plan.launches.parts[0] == splits
+        elif splits <= 16:
+            assert run.cluster == splits and plan.launches.parts is None
+        else:
+            assert 1 < run.cluster < splits and splits % run.cluster == 0
+            assert plan.launches.parts[0] == splits // run.cluster
+            assert plan.launches.parts[3] == run.grid[0] * run.grid[2] * run.cluster
 
 
 def _split_problem(rng, batch, hkv, group, nk, d=128):
@@ -264,10 +270,13 @@ def test_split_counts_change_from_call_to_call():
     """Calls on one stream with split counts and grids that change from call to call: the
     counters each call leaves behind must be ready for the next. Each against the same
     call with one split, whose result does not go through the merge. (On Hopper, counts up
-    to 16 merge in clusters, 16 the largest, and 20 and 24 through the counters.)"""
+    to 16 merge in clusters, 16 the largest; 20, 24 and 32 in clusters and then through the
+    counters, 40 rows in two row groups, the second's 8 rows fewer than a cluster's ranks;
+    17, a prime past the largest cluster, through the counters alone.)"""
     rng = np.random.default_rng(8)
     cases = [(2, 2, 4, 1000, 3), (1, 3, 5, 700, 7), (3, 1, 1, 2000, 2), (2, 2, 4, 1000, 5), (1, 1, 8, 64, 2),
-             (1, 2, 4, 5000, 16), (2, 1, 8, 7000, 24), (2, 2, 4, 1000, 3), (4, 2, 2, 513, 9), (1, 2, 2, 6000, 20)]
+             (1, 2, 4, 5000, 16), (2, 1, 8, 7000, 24), (2, 2, 4, 1000, 3), (4, 2, 2, 513, 9), (1, 2, 2, 6000, 20),
+             (2, 2, 16, 4096, 32), (1, 1, 40, 4096, 32), (1, 2, 4, 3264, 17), (2, 2, 4, 1000, 3)]
     for batch, hkv, group, nk, splits in cases:
         q, k, v = _split_problem(rng, batch, hkv, group, nk)
         lengths = cupy.asarray(rng.integers(0, nk + 1, size=batch), dtype=cupy.int32)

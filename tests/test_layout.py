@@ -361,8 +361,8 @@ def test_decode_splits_keep_their_least_keys():
     for longest in (1, 100, 4096, 32768, 131072):
         for block_n in (64, 128):
             for min_keys in (0, 256):
-                splits, per_split, clustered = _dispatch.decode_splits(8, longest, None, 132, block_n, 1, min_keys)
-                assert not clustered
+                splits, per_split, cluster = _dispatch.decode_splits(8, longest, None, 132, block_n, 1, min_keys)
+                assert cluster == 1
                 assert per_split % block_n == 0
                 assert (splits - 1) * per_split < max(longest, 1) <= splits * per_split
                 if splits > 1:
@@ -370,26 +370,50 @@ def test_decode_splits_keep_their_least_keys():
     # the case the floor is for: 4K keys of pages of 16 rows, 64-key blocks, 8 entries, 2 per SM
     assert _dispatch.decode_splits(8, 4096, None, 264, 64, 4)[1] == 128
     assert _dispatch.decode_splits(8, 4096, None, 264, 64, 4, 256)[1] == 256
-    assert _dispatch.decode_splits(8, 4096, 5, 264, 64, 4, 256) == (5, 832, False)
+    assert _dispatch.decode_splits(8, 4096, 5, 264, 64, 4, 256) == (5, 832, 1)
 
 
 def test_decode_splits_in_clusters():
     """Where clusters can take the splits (Hopper), the plan weighs, count by count, their merge
     on chip, which costs less than the merge through global memory, against the room clusters
     leave: it never clusters a count the driver finds no room for, and without room for any
-    it plans as without clusters. 8 entries of 4K keys, 64-key blocks, one block per SM."""
+    it plans as without clusters. A cluster's size divides the count; with fewer splits per
+    cluster than the count, the clusters' parts merge through global memory, which still costs
+    less than merging every split there. 8 entries, 64-key blocks, one block per SM."""
     from cuflash import _dispatch
 
     plain = _dispatch.decode_splits(8, 4096, None, 132, 64, 4)
-    assert plain[0] > 8 and not plain[2]
-    assert _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda s: 0) == plain
-    splits, _, clustered = _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda s: 128)
-    assert clustered and 1 < splits <= _dispatch.DECODE_MAX_CLUSTER
-    # clusters above 8 find no room: those counts merge through global memory
+    assert plain[0] > 8 and plain[2] == 1
+    assert _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda c: 0) == plain
+    splits, _, cluster = _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda c: 128)
+    assert 1 < cluster <= _dispatch.DECODE_MAX_CLUSTER and splits % cluster == 0
+    # clusters above 8 find no room: no count clusters past 8
     for longest in (4096, 32768):
-        splits, _, clustered = _dispatch.decode_splits(8, longest, None, 132, 64, 4, 0, lambda s: 128 if s <= 8 else 0)
-        assert clustered == (splits <= 8)
-    # room for 96 blocks in clusters of 16: one wave of 128 needs the global merge
-    assert _dispatch.decode_splits(8, 32768, 16, 132, 64, 4, 0, lambda s: 96)[2] is False
-    # a forced count is taken as given, merged where it costs less
-    assert _dispatch.decode_splits(8, 4096, 5, 132, 64, 4, 0, lambda s: 128) == (5, 832, True)
+        splits, _, cluster = _dispatch.decode_splits(8, longest, None, 132, 64, 4, 0, lambda c: 128 if c <= 8 else 0)
+        assert cluster <= 8 and splits % cluster == 0
+    # room for 96 blocks in clusters of 16 and none in smaller: one wave of 128 needs the global merge
+    assert _dispatch.decode_splits(8, 32768, 16, 132, 64, 4, 0, lambda c: 96 if c == 16 else 0)[2] == 1
+    # forced counts are taken as given, merged where it costs less: 5 in one cluster, 17 (a
+    # prime past the largest cluster) through global memory, 32 in clusters and then there
+    assert _dispatch.decode_splits(8, 4096, 5, 132, 64, 4, 0, lambda c: 128) == (5, 832, 5)
+    assert _dispatch.decode_splits(8, 32768, 17, 132, 64, 4, 0, lambda c: 1024)[::2] == (17, 1)
+    splits, _, cluster = _dispatch.decode_splits(8, 32768, 32, 132, 64, 4, 0, lambda c: 1024)
+    assert splits == 32 and 1 < cluster < 32 and 32 % cluster == 0
+
+
+def test_decode_splits_count_blocks_that_share_a_multiprocessor():
+    """Blocks two to a multiprocessor share its reading: the plan counts a wave that doubles up
+    as slower per block, not as free. 64 row groups of 4K keys over pages read run by run, two
+    blocks per SM fitting (264 slots on 132 SMs), clusters of one block per SM: counted as free,
+    4 splits through global memory win; counted as shared, 2 splits merged in clusters."""
+    from cuflash import _dispatch
+
+    def room(c):
+        return 128
+
+    assert _dispatch.decode_splits(64, 4096, None, 264, 128, 4, 256, room) == (4, 1024, 1)
+    assert _dispatch.decode_splits(64, 4096, None, 264, 128, 4, 256, room, 132) == (2, 2048, 2)
+    # one block per SM (132 slots): nothing shares, nothing changes
+    for longest in (4096, 32768):
+        assert _dispatch.decode_splits(8, longest, None, 132, 64, 4, 0, room, 132) == \
+            _dispatch.decode_splits(8, longest, None, 132, 64, 4, 0, room)

@@ -135,10 +135,12 @@ for dtype in ("float16", "bfloat16", "float32"):
         out = cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=lengths, causal=True,
                                         num_splits=splits)
         ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
-    # (on Hopper, 3 splits merge in a cluster; 32, past the largest cluster, through global memory)
-    long_k, long_v = randn((1, 2, 1, 4096, 64), dtype), randn((1, 2, 1, 4096, 64), dtype)
-    out = cuflash.attention_kvcache(q[:1], long_k, long_v, num_splits=32)
-    ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
+    # (on Hopper, 3 splits merge in a cluster; 32, past the largest cluster, in clusters and
+    # then through global memory; 17, a prime past it, through global memory alone)
+    for splits, nk in ((32, 4096), (17, 17 * 128)):
+        long_k, long_v = randn((1, 2, 1, nk, 64), dtype), randn((1, 2, 1, nk, 64), dtype)
+        out = cuflash.attention_kvcache(q[:1], long_k, long_v, num_splits=splits)
+        ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
     bad = cupy.asarray([-9, 5000, 2**31 - 1], dtype=cupy.int32)
     for page_size, rows in ((7, q), (16, q), (16, randn((3, 2, 8, 4, 64), dtype))):
         per_seq = -(-300 // page_size)

@@ -10,9 +10,10 @@
 // with its own online softmax, and the warps' partial results are merged at the end. With
 // several splits each block writes a float32 partial (out, lse) and counts itself
 // done; the last block of its rows to finish merges the splits' partials by
-// logsumexp (one launch, and the merge starts as the last split ends). On Hopper a
-// call of a few splits is launched in clusters of its splits instead, and the blocks
-// keep their partials in shared memory and merge them together, reading each other's.
+// logsumexp (one launch, and the merge starts as the last split ends). On Hopper the
+// splits are launched in clusters instead, and the blocks keep their partials in shared
+// memory and merge them together, reading each other's; where a row group's splits take
+// several clusters, the clusters' merged parts then meet through global memory as above.
 #pragma once
 
 namespace cuflash {
@@ -25,9 +26,9 @@ struct DecodeParams {
     float* lse;               // (B, E, G * nq)
     const int* seqlens;       // (B) keys already cached, or null: seqlen_all
     const int* block_table;   // (B, max_pages), or null: contiguous cache
-    float* part_out;          // (splits, B * E * G * nq, dv), with splits > 1
+    float* part_out;          // (splits or clusters per row group, B * E * G * nq, dv), with splits > 1
     float* part_lse;          // (splits, B * E * G * nq)
-    unsigned* split_counts;   // (B * E * row groups): splits done, back to 0 after the last (zero to begin)
+    unsigned* split_counts;   // (B * E * row groups [* cluster ranks]): blocks done, back to 0 after the last (zero to begin)
     const void* k_new;        // (B, E, n_new, d) strided, for the append
     const void* v_new;
     index_t q_stride_b, q_stride_e, q_stride_row;
@@ -134,6 +135,7 @@ struct DecodeTiles {
     // the most splits a call launched in clusters has (cuflash/_dispatch.py: DECODE_MAX_CLUSTER;
     // 16 needs the non-portable cluster size, which Hopper allows)
     static constexpr int MAX_CLUSTER = 16;
+    static constexpr int GROUP_BATCH = 4;   // clusters' parts (two-level merge) loaded at once
     static_assert(WARP_KEYS % 16 == 0, "a warp takes whole 16-key products");
 };
 
@@ -358,26 +360,46 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         }
     }
     if (!parts) return;
+    const index_t total_rows = p.batch * p.entries * p.rows;
     if (clustered) {
-        merge_cluster_parts<T, HEAD_DIM, Tiles::MAX_CLUSTER>(rows, dv, smem_address(s_part), smem_address(s_part_lse),
-                                                            static_cast<Storage*>(p.out) + out_row0 * dv, p.lse + out_row0);
+        auto store_out = [&](index_t row, int c, float4 o, float l) {
+            Storage* dst = static_cast<Storage*>(p.out) + row * dv + c;
+            Store<T>::pair(dst, saturate<T>(o.x), saturate<T>(o.y));
+            Store<T>::pair(dst + 2, saturate<T>(o.z), saturate<T>(o.w));
+            if (c == 0) p.lse[row] = l;
+        };
+        const int ranks = cluster_blocks(), rank = cluster_rank(), groups = int(p.splits) / ranks;
+        if (groups == 1) {
+            merge_cluster_parts<HEAD_DIM, Tiles::MAX_CLUSTER>(
+                rows, dv, smem_address(s_part), smem_address(s_part_lse),
+                [&](int r, int c, float4 o, float l) { store_out(out_row0 + r, c, o, l); });
+            return;
+        }
+        // Two levels (more splits than a cluster takes): the cluster's merged part goes to
+        // global memory as part `split / ranks` of the row group's, and the last of the blocks
+        // of this rank in those clusters merges their parts of the rank's rows.
+        const index_t group_row0 = index_t(split / ranks) * total_rows + out_row0;
+        merge_cluster_parts<HEAD_DIM, Tiles::MAX_CLUSTER>(
+            rows, dv, smem_address(s_part), smem_address(s_part_lse), [&](int r, int c, float4 o, float l) {
+                *reinterpret_cast<float4*>(p.part_out + (group_row0 + r) * dv + c) = o;
+                if (c == 0) p.part_lse[group_row0 + r] = l;
+            });
+        if (rank >= rows) return;   // (no rows here, nor in this rank's blocks of the other clusters)
+        if (!last_to_count(p.split_counts + (index_t(be) * gridDim.z + blockIdx.z) * ranks + rank, groups)) return;
+        for_rank_chunks<HEAD_DIM>(rows, dv, rank, ranks, [&](int r, int c) {
+            const index_t row = out_row0 + r;
+            float4 o;
+            const float l = merge_chunk<Tiles::GROUP_BATCH>(
+                groups, [&](int g) { return __ldcg(p.part_lse + g * total_rows + row); },
+                [&](int g) { return __ldcg(reinterpret_cast<const float4*>(p.part_out + (g * total_rows + row) * dv + c)); },
+                o);
+            store_out(row, c, o, l);
+        });
         return;
     }
 
-    // The last of the rows' splits to finish merges them: partials visible everywhere
-    // before the count (a fence), the count taken by atomicInc, which wraps to 0 at
-    // `splits` and so leaves the counter ready for the next call.
-    __shared__ bool s_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned done = atomicInc(p.split_counts + index_t(be) * gridDim.z + blockIdx.z, unsigned(p.splits - 1));
-        s_last = done == unsigned(p.splits - 1);
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const index_t total_rows = p.batch * p.entries * p.rows;
+    // The last of the rows' splits to finish merges their partials.
+    if (!last_to_count(p.split_counts + index_t(be) * gridDim.z + blockIdx.z, int(p.splits))) return;
     merge_rows_by_warp<T, HEAD_DIM, Tiles::WARPS>(
         int(p.splits), dv, out_row0, rows, [&](int s, index_t row) { return __ldcg(p.part_lse + s * total_rows + row); },
         [&](int s, index_t row) { return p.part_out + (s * total_rows + row) * dv; }, p.out, p.lse);

@@ -7,7 +7,8 @@
 // w + MergeTiles::WARPS, ...), each lane a set of output columns, and the warps' sums meet
 // in shared memory. The splits of a decoding call: merge_rows_by_warp, inside the decoding
 // kernel's last block of each row group, one warp per row; or, launched in clusters (Hopper),
-// merge_cluster_parts, shared by the cluster's blocks, from each other's shared memory.
+// merge_cluster_parts, shared by the cluster's blocks, from each other's shared memory (and
+// with several clusters per row group, the clusters' parts then through global memory).
 #pragma once
 
 namespace cuflash {
@@ -195,51 +196,84 @@ __device__ __forceinline__ void merge_rows_by_warp(int parts, int dv, index_t fi
     }
 }
 
+// One float4 column chunk of a merge over `parts` parts: out = the merged chunk, returns the
+// merged lse. Each batch of up to BATCH parts' lse_of(s) and out_of(s) loads goes out at once,
+// before any is used (one round trip per batch); later batches rescale the running sums.
+template <int BATCH, class LseOf, class OutOf>
+__device__ __forceinline__ float merge_chunk(int parts, LseOf lse_of, OutOf out_of, float4& out) {
+    float top = -CUFLASH_INF, sum = 0.f;   // (fmaxf passes NaN over: a NaN part's exp below keeps it)
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < parts; s0 += BATCH) {
+        float l[BATCH];
+        float4 o[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+            if (s0 + u < parts) l[u] = lse_of(s0 + u), o[u] = out_of(s0 + u);
+        float next = top;
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+            if (s0 + u < parts) next = fmaxf(next, l[u]);
+        const float rescale = next == top ? 1.f : expf(top - next);
+        sum *= rescale, a.x *= rescale, a.y *= rescale, a.z *= rescale, a.w *= rescale;
+        top = next;
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+            if (s0 + u < parts && l[u] != -CUFLASH_INF) {   // (a part without keys adds nothing)
+                const float w = expf(l[u] - top);
+                sum += w;
+                a.x = fmaf(w, o[u].x, a.x), a.y = fmaf(w, o[u].y, a.y);
+                a.z = fmaf(w, o[u].z, a.z), a.w = fmaf(w, o[u].w, a.w);
+            }
+    }
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    out = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+    return sum == 0.f ? -CUFLASH_INF : top + logf(sum);   // (NaN with a NaN part)
+}
+
+// f(r, c) for the float4 column chunks c < dv of rows rank, rank + ranks, ... below `rows`,
+// over the block's threads: the rows a block of rank `rank` merges, the same in every cluster.
+template <int HEAD_DIM, class F>
+__device__ __forceinline__ void for_rank_chunks(int rows, int dv, int rank, int ranks, F f) {
+    constexpr int CHUNKS = HEAD_DIM / 4;
+    const int mine = rank < rows ? (rows - rank + ranks - 1) / ranks : 0;
+    for (int i = int(threadIdx.x); i < mine * CHUNKS; i += int(blockDim.x)) {
+        const int r = rank + (i / CHUNKS) * ranks, c = 4 * (i % CHUNKS);
+        if (c < dv) f(r, c);
+    }
+}
+
 // The splits of a decoding call launched in clusters of its splits, one per block (Hopper):
 // each block has left its rows' part in its own shared memory, out at s_out ([row][HEAD_DIM]
 // floats, columns to HEAD_DIM written) and lse at s_lse ([row]). After the cluster's barrier
-// the blocks share the merge, thread i of rank k taking the float4 column chunk i + k * THREADS
-// (and so on) of the rows, all its parts' lse and outputs read from the peers at once: one
-// round trip on chip, where the global merge waits for the partials' writes, a fence, a count
-// and two round trips to L2. out and lse point at the rows' first.
-template <class T, int HEAD_DIM, int MAX_PARTS>
-__device__ __forceinline__ void merge_cluster_parts(int rows, int dv, u32 s_out, u32 s_lse, void* out, float* lse) {
-    using Storage = typename T::storage;
-    constexpr int CHUNKS = HEAD_DIM / 4;
+// the block of rank k merges rows k, k + ranks, ..., each thread a float4 column chunk, all its
+// parts' lse and outputs read from the peers at once: one round trip on chip, where the global
+// merge waits for the partials' writes, a fence, a count and two round trips to L2. Each
+// merged chunk goes to store(r, c, out, lse).
+template <int HEAD_DIM, int MAX_PARTS, class Store>
+__device__ __forceinline__ void merge_cluster_parts(int rows, int dv, u32 s_out, u32 s_lse, Store store) {
     const int parts = cluster_blocks(), rank = cluster_rank();
     cluster_sync();
-    for (int i = rank * int(blockDim.x) + int(threadIdx.x); i < rows * CHUNKS; i += parts * int(blockDim.x)) {
-        const int r = i / CHUNKS, c = 4 * (i % CHUNKS);
-        if (c >= dv) continue;
-        float l[MAX_PARTS];
-        float4 o[MAX_PARTS];
-#pragma unroll
-        for (int s = 0; s < MAX_PARTS; ++s)
-            if (s < parts) {
-                l[s] = load_peer(peer_smem(s_lse + 4 * r, s));
-                o[s] = load_peer4(peer_smem(s_out + 4 * (r * HEAD_DIM + c), s));
-            }
-        float top = -CUFLASH_INF;   // (fmaxf passes NaN over: a NaN part's exp below keeps it)
-#pragma unroll
-        for (int s = 0; s < MAX_PARTS; ++s)
-            if (s < parts) top = fmaxf(top, l[s]);
-        float sum = 0.f;
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int s = 0; s < MAX_PARTS; ++s)
-            if (s < parts && l[s] != -CUFLASH_INF) {   // (a part without keys adds nothing)
-                const float w = expf(l[s] - top);
-                sum += w;
-                a.x = fmaf(w, o[s].x, a.x), a.y = fmaf(w, o[s].y, a.y);
-                a.z = fmaf(w, o[s].z, a.z), a.w = fmaf(w, o[s].w, a.w);
-            }
-        const float inv = sum == 0.f ? 0.f : 1.f / sum;
-        Storage* dst = static_cast<Storage*>(out) + index_t(r) * dv + c;
-        Store<T>::pair(dst, saturate<T>(a.x * inv), saturate<T>(a.y * inv));
-        Store<T>::pair(dst + 2, saturate<T>(a.z * inv), saturate<T>(a.w * inv));
-        if (c == 0) lse[r] = sum == 0.f ? -CUFLASH_INF : top + logf(sum);   // (NaN with a NaN part)
-    }
+    for_rank_chunks<HEAD_DIM>(rows, dv, rank, parts, [&](int r, int c) {
+        float4 o;
+        const float l = merge_chunk<MAX_PARTS>(
+            parts, [&](int s) { return load_peer(peer_smem(s_lse + 4 * r, s)); },
+            [&](int s) { return load_peer4(peer_smem(s_out + 4 * (r * HEAD_DIM + c), s)); }, o);
+        store(r, c, o, l);
+    });
     cluster_sync();   // a block's shared memory stays until every peer has read it
+}
+
+// Whether this block is the last of `count` to count itself at `counter`: its writes are
+// made visible everywhere first, and the last sees the others' after. atomicInc wraps the
+// count to 0 at `count`, which leaves the counter ready for the next call.
+__device__ __forceinline__ bool last_to_count(unsigned* counter, int count) {
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicInc(counter, unsigned(count - 1)) == unsigned(count - 1);
+    __syncthreads();
+    if (s_last) __threadfence();
+    return s_last;
 }
 
 // The parts are separate arrays of one shape, contiguous, reached through tables of
