@@ -255,11 +255,13 @@ def kvcache_launches(x) -> KVCacheLaunches:
     hopper = _compile.current_arch() == "sm_90a"
     alone = tiles.streams_alone(head_dim, itemsize)
     per_sm = 1 if alone else blocks_per_sm(decode, 128, smem)
-    # (launched in clusters, a block that streams alone, or that reads pages, asks for shared
-    # memory enough to keep a multiprocessor to itself: a cluster's blocks may otherwise be
-    # placed two to one, each then streaming at half the rate; bench/NOTES.md v25, v26. The
-    # global merge's blocks of pages still plan two per SM, whose table reads hide each other's.)
-    cluster_smem = one_per_sm_smem(smem) if hopper and (alone or x.block_table is not None) else smem
+    # (launched in clusters, a block that streams alone, or that reads pages for 16 rows, asks
+    # for shared memory enough to keep a multiprocessor to itself: a cluster's blocks may
+    # otherwise be placed two to one, each then streaming at half the rate; bench/NOTES.md
+    # v25, v26. The global merge's blocks of pages still plan two per SM, whose table reads
+    # hide each other's; 32 rows, four times the products, want two per SM in clusters too.)
+    pad = alone or (x.block_table is not None and tiles.block_rows == 16)
+    cluster_smem = one_per_sm_smem(smem) if hopper and pad else smem
     if cluster_smem > smem:
         _compile.get_function(tiles.name(x.dtype_name, head_dim), cluster_smem)
     # (pages read run by run pack two blocks per SM, and splits of two 64-key blocks there
