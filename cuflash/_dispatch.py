@@ -274,6 +274,8 @@ def kvcache_launches(x) -> KVCacheLaunches:
     splits, split_keys, cluster = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(),
                                                 tiles.block_n, min(rows, tiles.block_rows), min_keys,
                                                 clusters if hopper else None, sm_count())
+    if 1 < cluster < splits:   # (several clusters per row group: the kernel of two-level merges)
+        decode = _compile.get_function(tiles.name(x.dtype_name, head_dim, two_level=True), cluster_smem)
     left, right = _params.window_sides(x.left, x.right, x.nq, x.capacity)
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])

@@ -430,7 +430,7 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
                     names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
     return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
-            + decode_specializations())
+            + decode_specializations(arch))
 
 
 def merge_name(dtype_name: str) -> str:
@@ -474,9 +474,11 @@ class DecodeTiles:
         return (self.block_rows == 16 and self.layout == KEY_BLOCKS
                 and 2 * self.block_n * head_dim * itemsize >= 32 * 1024)
 
-    def name(self, dtype_name: str, head_dim: int) -> str:
+    def name(self, dtype_name: str, head_dim: int, two_level: bool = False) -> str:
+        """The kernel; ``two_level``: the one for splits in several clusters per row group
+        (Hopper), whose parts then merge through global memory."""
         return (f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {self.block_rows // 16}, "
-                f"{self.stages}, {self.block_n}, {self.layout}>")
+                f"{self.stages}, {self.block_n}, {self.layout}, {'true' if two_level else 'false'}>")
 
 
 def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None = None) -> DecodeTiles:
@@ -512,8 +514,9 @@ def decode_supported(head_dim: int, itemsize: int) -> bool:
     return itemsize == 2 or head_dim <= 128
 
 
-def decode_specializations() -> list[str]:
-    """The KV-cache kernels, for every dtype and head-dim bucket they take."""
+def decode_specializations(arch: str = "sm_80") -> list[str]:
+    """The KV-cache kernels, for every dtype and head-dim bucket they take (on sm_90a also
+    those for splits in several clusters per row group)."""
     names = []
     for dt, (elem, itemsize) in ELEMENT_TYPES.items():
         names.append(f"cuflash::kvcache_append<{elem}>")
@@ -525,4 +528,6 @@ def decode_specializations() -> list[str]:
             for tiles in sorted(shapes, key=lambda t: (t.block_rows, t.block_n, t.layout)):
                 if tiles.smem_bytes(hd, itemsize) <= 227 * 1024:
                     names.append(tiles.name(dt, hd))
+                    if arch == "sm_90a":
+                        names.append(tiles.name(dt, hd, two_level=True))
     return names

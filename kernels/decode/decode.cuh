@@ -139,8 +139,11 @@ struct DecodeTiles {
     static_assert(WARP_KEYS % 16 == 0, "a warp takes whole 16-key products");
 };
 
-// grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it
-template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N, int LAYOUT>
+// grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it.
+// TWO_LEVEL: launched in several clusters per row group (Hopper), whose merged parts meet
+// through global memory. A kernel of its own: that path's code, present but not taken,
+// made the short calls merged in one cluster 0.3 us slower (bench/NOTES.md v27).
+template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N, int LAYOUT, bool TWO_LEVEL>
 __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_decode(const DecodeParams p) {
     using Storage = typename T::storage;
     using Tiles = DecodeTiles<BLOCK_N>;
@@ -317,7 +320,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     __syncthreads();
     const bool parts = p.splits > 1;
     // (clusters: the splits of these rows are this cluster's blocks, and the parts stay here)
-    const bool clustered = parts && cluster_blocks() > 1;
+    const bool clustered = TWO_LEVEL || (parts && cluster_blocks() > 1);
     float* s_part = s_acc + Tiles::WARPS * ROWS * HEAD_DIM;   // [ROWS][HEAD_DIM], then lse [ROWS]
     float* s_part_lse = s_part + ROWS * HEAD_DIM;
     const index_t out_row0 = index_t(be) * p.rows + row0;
@@ -368,33 +371,35 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
             Store<T>::pair(dst + 2, saturate<T>(o.z), saturate<T>(o.w));
             if (c == 0) p.lse[row] = l;
         };
-        const int ranks = cluster_blocks(), rank = cluster_rank(), groups = int(p.splits) / ranks;
-        if (groups == 1) {
-            merge_cluster_parts<HEAD_DIM, Tiles::MAX_CLUSTER>(
+        if constexpr (TWO_LEVEL) {
+            // The cluster's merged part goes to global memory as part `split / ranks` of the
+            // row group's, and the last of the blocks of this rank in those clusters merges
+            // their parts of the rank's rows.
+            const int ranks = cluster_blocks(), rank = cluster_rank(), groups = int(p.splits) / ranks;
+            const index_t group_row0 = index_t(split / ranks) * total_rows + out_row0;
+            merge_cluster_parts<HEAD_DIM, Tiles::MAX_CLUSTER, true>(
+                rows, dv, smem_address(s_part), smem_address(s_part_lse), [&](int r, int c, float4 o, float l) {
+                    *reinterpret_cast<float4*>(p.part_out + (group_row0 + r) * dv + c) = o;
+                    if (c == 0) p.part_lse[group_row0 + r] = l;
+                });
+            if (rank >= rows) return;   // (no rows here, nor in this rank's blocks of the other clusters)
+            if (!last_to_count(p.split_counts + (index_t(be) * gridDim.z + blockIdx.z) * ranks + rank, groups))
+                return;
+            for_cluster_chunks<HEAD_DIM, true>(rows, dv, rank, ranks, [&](int r, int c) {
+                const index_t row = out_row0 + r;
+                float4 o;
+                const float l = merge_chunk<Tiles::GROUP_BATCH>(
+                    groups, [&](int g) { return __ldcg(p.part_lse + g * total_rows + row); },
+                    [&](int g) {
+                        return __ldcg(reinterpret_cast<const float4*>(p.part_out + (g * total_rows + row) * dv + c));
+                    }, o);
+                store_out(row, c, o, l);
+            });
+        } else {
+            merge_cluster_parts<HEAD_DIM, Tiles::MAX_CLUSTER, false>(
                 rows, dv, smem_address(s_part), smem_address(s_part_lse),
                 [&](int r, int c, float4 o, float l) { store_out(out_row0 + r, c, o, l); });
-            return;
         }
-        // Two levels (more splits than a cluster takes): the cluster's merged part goes to
-        // global memory as part `split / ranks` of the row group's, and the last of the blocks
-        // of this rank in those clusters merges their parts of the rank's rows.
-        const index_t group_row0 = index_t(split / ranks) * total_rows + out_row0;
-        merge_cluster_parts<HEAD_DIM, Tiles::MAX_CLUSTER>(
-            rows, dv, smem_address(s_part), smem_address(s_part_lse), [&](int r, int c, float4 o, float l) {
-                *reinterpret_cast<float4*>(p.part_out + (group_row0 + r) * dv + c) = o;
-                if (c == 0) p.part_lse[group_row0 + r] = l;
-            });
-        if (rank >= rows) return;   // (no rows here, nor in this rank's blocks of the other clusters)
-        if (!last_to_count(p.split_counts + (index_t(be) * gridDim.z + blockIdx.z) * ranks + rank, groups)) return;
-        for_rank_chunks<HEAD_DIM>(rows, dv, rank, ranks, [&](int r, int c) {
-            const index_t row = out_row0 + r;
-            float4 o;
-            const float l = merge_chunk<Tiles::GROUP_BATCH>(
-                groups, [&](int g) { return __ldcg(p.part_lse + g * total_rows + row); },
-                [&](int g) { return __ldcg(reinterpret_cast<const float4*>(p.part_out + (g * total_rows + row) * dv + c)); },
-                o);
-            store_out(row, c, o, l);
-        });
         return;
     }
 

@@ -196,68 +196,96 @@ __device__ __forceinline__ void merge_rows_by_warp(int parts, int dv, index_t fi
     }
 }
 
-// One float4 column chunk of a merge over `parts` parts: out = the merged chunk, returns the
-// merged lse. Each batch of up to BATCH parts' lse_of(s) and out_of(s) loads goes out at once,
-// before any is used (one round trip per batch); later batches rescale the running sums.
-template <int BATCH, class LseOf, class OutOf>
-__device__ __forceinline__ float merge_chunk(int parts, LseOf lse_of, OutOf out_of, float4& out) {
+// A running merge of one float4 column chunk over parts: the largest lse seen (top), the
+// sum of exp(lse - top) and the outputs so weighted.
+struct ChunkMerge {
     float top = -CUFLASH_INF, sum = 0.f;   // (fmaxf passes NaN over: a NaN part's exp below keeps it)
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < parts; s0 += BATCH) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    // Folds in parts [first, first + count), count <= BATCH: their lse_of(s) and out_of(s)
+    // loads go out at once, before any is used (one round trip). ONLY: the one fold of a
+    // merge, with nothing to rescale.
+    template <int BATCH, bool ONLY = false, class LseOf, class OutOf>
+    __device__ __forceinline__ void fold(int first, int count, LseOf lse_of, OutOf out_of) {
         float l[BATCH];
         float4 o[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u)
-            if (s0 + u < parts) l[u] = lse_of(s0 + u), o[u] = out_of(s0 + u);
+            if (u < count) l[u] = lse_of(first + u), o[u] = out_of(first + u);
         float next = top;
 #pragma unroll
         for (int u = 0; u < BATCH; ++u)
-            if (s0 + u < parts) next = fmaxf(next, l[u]);
-        const float rescale = next == top ? 1.f : expf(top - next);
-        sum *= rescale, a.x *= rescale, a.y *= rescale, a.z *= rescale, a.w *= rescale;
+            if (u < count) next = fmaxf(next, l[u]);
+        if (!ONLY && next != top) {   // (the first fold: the running sums are 0 and stay so)
+            const float rescale = expf(top - next);
+            sum *= rescale, acc.x *= rescale, acc.y *= rescale, acc.z *= rescale, acc.w *= rescale;
+        }
         top = next;
 #pragma unroll
         for (int u = 0; u < BATCH; ++u)
-            if (s0 + u < parts && l[u] != -CUFLASH_INF) {   // (a part without keys adds nothing)
+            if (u < count && l[u] != -CUFLASH_INF) {   // (a part without keys adds nothing)
                 const float w = expf(l[u] - top);
                 sum += w;
-                a.x = fmaf(w, o[u].x, a.x), a.y = fmaf(w, o[u].y, a.y);
-                a.z = fmaf(w, o[u].z, a.z), a.w = fmaf(w, o[u].w, a.w);
+                acc.x = fmaf(w, o[u].x, acc.x), acc.y = fmaf(w, o[u].y, acc.y);
+                acc.z = fmaf(w, o[u].z, acc.z), acc.w = fmaf(w, o[u].w, acc.w);
             }
     }
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-    out = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-    return sum == 0.f ? -CUFLASH_INF : top + logf(sum);   // (NaN with a NaN part)
+
+    // The merged chunk, and returns the merged lse (NaN with a NaN part).
+    __device__ __forceinline__ float result(float4& out) const {
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;
+        out = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+        return sum == 0.f ? -CUFLASH_INF : top + logf(sum);
+    }
+};
+
+// One float4 column chunk of a merge over `parts` parts, BATCH at a time (one round trip
+// each): out = the merged chunk, returns the merged lse.
+template <int BATCH, class LseOf, class OutOf>
+__device__ __forceinline__ float merge_chunk(int parts, LseOf lse_of, OutOf out_of, float4& out) {
+    ChunkMerge m;
+    for (int s0 = 0; s0 < parts; s0 += BATCH) m.fold<BATCH>(s0, min(BATCH, parts - s0), lse_of, out_of);
+    return m.result(out);
 }
 
-// f(r, c) for the float4 column chunks c < dv of rows rank, rank + ranks, ... below `rows`,
-// over the block's threads: the rows a block of rank `rank` merges, the same in every cluster.
-template <int HEAD_DIM, class F>
-__device__ __forceinline__ void for_rank_chunks(int rows, int dv, int rank, int ranks, F f) {
+// f(r, c) for the float4 column chunks c < dv of a cluster's `rows` rows, over the threads
+// of its blocks. BY_ROWS: the block of rank k takes rows k, k + ranks, ... (the same rows in
+// every cluster of a row group, for the second level of a two-level merge); else the chunks
+// are dealt out in order, thread by thread and block by block.
+template <int HEAD_DIM, bool BY_ROWS, class F>
+__device__ __forceinline__ void for_cluster_chunks(int rows, int dv, int rank, int ranks, F f) {
     constexpr int CHUNKS = HEAD_DIM / 4;
-    const int mine = rank < rows ? (rows - rank + ranks - 1) / ranks : 0;
-    for (int i = int(threadIdx.x); i < mine * CHUNKS; i += int(blockDim.x)) {
-        const int r = rank + (i / CHUNKS) * ranks, c = 4 * (i % CHUNKS);
-        if (c < dv) f(r, c);
+    if constexpr (BY_ROWS) {
+        const int mine = rank < rows ? (rows - rank + ranks - 1) / ranks : 0;
+        for (int i = int(threadIdx.x); i < mine * CHUNKS; i += int(blockDim.x)) {
+            const int r = rank + (i / CHUNKS) * ranks, c = 4 * (i % CHUNKS);
+            if (c < dv) f(r, c);
+        }
+    } else {
+        for (int i = rank * int(blockDim.x) + int(threadIdx.x); i < rows * CHUNKS; i += ranks * int(blockDim.x)) {
+            const int r = i / CHUNKS, c = 4 * (i % CHUNKS);
+            if (c < dv) f(r, c);
+        }
     }
 }
 
 // The splits of a decoding call launched in clusters of its splits, one per block (Hopper):
 // each block has left its rows' part in its own shared memory, out at s_out ([row][HEAD_DIM]
 // floats, columns to HEAD_DIM written) and lse at s_lse ([row]). After the cluster's barrier
-// the block of rank k merges rows k, k + ranks, ..., each thread a float4 column chunk, all its
-// parts' lse and outputs read from the peers at once: one round trip on chip, where the global
-// merge waits for the partials' writes, a fence, a count and two round trips to L2. Each
-// merged chunk goes to store(r, c, out, lse).
-template <int HEAD_DIM, int MAX_PARTS, class Store>
+// the blocks merge the rows (for_cluster_chunks<BY_ROWS>), each thread a float4 column chunk,
+// all its parts' lse and outputs read from the peers at once: one round trip on chip, where
+// the global merge waits for the partials' writes, a fence, a count and two round trips to
+// L2. Each merged chunk goes to store(r, c, out, lse).
+template <int HEAD_DIM, int MAX_PARTS, bool BY_ROWS, class Store>
 __device__ __forceinline__ void merge_cluster_parts(int rows, int dv, u32 s_out, u32 s_lse, Store store) {
     const int parts = cluster_blocks(), rank = cluster_rank();
     cluster_sync();
-    for_rank_chunks<HEAD_DIM>(rows, dv, rank, parts, [&](int r, int c) {
+    for_cluster_chunks<HEAD_DIM, BY_ROWS>(rows, dv, rank, parts, [&](int r, int c) {
+        ChunkMerge m;   // (all parts in one fold: parts <= MAX_PARTS)
+        m.fold<MAX_PARTS, true>(0, parts, [&](int s) { return load_peer(peer_smem(s_lse + 4 * r, s)); },
+                                [&](int s) { return load_peer4(peer_smem(s_out + 4 * (r * HEAD_DIM + c), s)); });
         float4 o;
-        const float l = merge_chunk<MAX_PARTS>(
-            parts, [&](int s) { return load_peer(peer_smem(s_lse + 4 * r, s)); },
-            [&](int s) { return load_peer4(peer_smem(s_out + 4 * (r * HEAD_DIM + c), s)); }, o);
+        const float l = m.result(o);
         store(r, c, o, l);
     });
     cluster_sync();   // a block's shared memory stays until every peer has read it
