@@ -200,15 +200,16 @@ def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, blo
     block beside it.
     Cluster 1: through global memory, by the last block of each row group, whose four warps
     take its ``rows`` rows in turn, each an L2 round trip for the parts' lse and one per eight
-    parts. Or, where ``cluster_slots(c)`` (blocks that run at once in clusters of c; 0: none
-    fit) is given, in clusters of c splits (c dividing the count): at most that many blocks at
-    once, merged on chip; with fewer splits per cluster than the count, the clusters' parts
-    then through global memory, by the last block of each rank, its rows' columns at once."""
+    parts. Or, where ``cluster_slots(c, two_level)`` (blocks that run at once in clusters of
+    c, of the kernel that merges in one level or two; 0: none fit) is given, in clusters of c
+    splits (c dividing the count): at most that many blocks at once, merged on chip; with
+    fewer splits per cluster than the count (two levels), the clusters' parts then through
+    global memory, by the last block of each rank, its rows' columns at once."""
     key_blocks = max(1, -(-longest // block_n))
     blocks = max(blocks, 1)
 
     def time(s, c):
-        room = min(slots, cluster_slots(c)) if c > 1 else slots
+        room = min(slots, cluster_slots(c, c < s)) if c > 1 else slots
         per_sm = -(-min(blocks * s, room) // (sms or room))   # (blocks that share a multiprocessor)
         streaming = -(-key_blocks // s) * per_sm / (1 + DECODE_SHARED_GAIN * (per_sm - 1))
         waves = -(-blocks * s // room) * (streaming + DECODE_SPLIT_COST)
@@ -223,7 +224,7 @@ def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, blo
     def clusters(s):   # the merges open to s splits
         if cluster_slots is None or s == 1:
             return (1,)
-        return (1,) + tuple(c for c in range(2, min(s, DECODE_MAX_CLUSTER) + 1) if s % c == 0 and cluster_slots(c) > 0)
+        return (1,) + tuple(c for c in range(2, min(s, DECODE_MAX_CLUSTER) + 1) if s % c == 0 and cluster_slots(c, c < s) > 0)
 
     def best(s):
         return min((time(s, c), c) for c in clusters(s))
@@ -268,14 +269,17 @@ def kvcache_launches(x) -> KVCacheLaunches:
     # spend more on their fixed costs than the model counts: bench/NOTES.md v24)
     min_keys = DECODE_RUNS_MIN_SPLIT_KEYS if tiles.layout == KEY_RUNS else 0
 
-    def clusters(c):   # (Hopper: blocks at once in clusters of c splits of a row group, merged on chip)
-        return cluster_slots(decode, 128, cluster_smem, c)
+    def kernel(two_level):   # (several clusters per row group: the kernel of two-level merges)
+        return _compile.get_function(tiles.name(x.dtype_name, head_dim, two_level), cluster_smem) if two_level else decode
 
-    splits, split_keys, cluster = decode_splits(blocks, x.longest, x.num_splits, per_sm * sm_count(),
+    def clusters(c, two_level):   # (Hopper: blocks at once in clusters of c splits of a row group, merged on chip)
+        return cluster_slots(kernel(two_level), 128, cluster_smem, c)
+
+    sms = sm_count()
+    splits, split_keys, cluster = decode_splits(blocks, x.longest, x.num_splits, per_sm * sms,
                                                 tiles.block_n, min(rows, tiles.block_rows), min_keys,
-                                                clusters if hopper else None, sm_count())
-    if 1 < cluster < splits:   # (several clusters per row group: the kernel of two-level merges)
-        decode = _compile.get_function(tiles.name(x.dtype_name, head_dim, two_level=True), cluster_smem)
+                                                clusters if hopper else None, sms)
+    decode = kernel(1 < cluster < splits)
     left, right = _params.window_sides(x.left, x.right, x.nq, x.capacity)
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
@@ -292,16 +296,14 @@ def kvcache_launches(x) -> KVCacheLaunches:
         scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,
     )
     runs = []
-    # (Hopper: each kernel starts under the tail of the one before; bench/NOTES.md v24)
-    programmatic = hopper
+    # (programmatic on Hopper: each kernel starts under the tail of the one before; bench/NOTES.md v24)
     if x.n_new and x.batch * x.entries:
         append = _compile.get_function(f"cuflash::kvcache_append<{elem}>", 0)
         runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, DECODE_FIELDS,
-                           programmatic=programmatic))
+                           programmatic=hopper))
     if rows and x.batch * x.entries:
         runs.append(Launch(decode, (x.batch * x.entries, splits, row_groups), 128, cluster_smem if cluster > 1 else smem,
-                           params, DECODE_FIELDS,
-                           programmatic=programmatic, cluster=cluster))
+                           params, DECODE_FIELDS, programmatic=hopper, cluster=cluster))
     # (the partials through global memory, and a counter per row group, or per row group and
     # rank for the clusters' parts; a row group's splits in one cluster need neither)
     parts = (splits // cluster, x.batch * x.entries * rows, x.dv, x.batch * x.entries * row_groups * cluster) \

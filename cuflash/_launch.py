@@ -73,8 +73,7 @@ class Launch:
             config = self._config
             if config is not None:
                 config.stream = stream
-                status = _driver_function("cuLaunchKernelEx", 4)(ctypes.byref(config), self._function,
-                                                                 record.kernel_params, None)
+                status = _launch_kernel_ex()(ctypes.byref(config), self._function, record.kernel_params, None)
                 if status != 0:
                     raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status})")
             else:
@@ -116,9 +115,15 @@ def _launch_config(grid, threads: int, smem: int, programmatic: bool, cluster: i
                          ctypes.cast(array, ctypes.POINTER(_LaunchAttribute)), len(attributes))
 
 
+_large_clusters: set = set()
+
+
 def allow_large_clusters(function: int) -> None:
-    """Lets ``function`` (a CUfunction) launch in clusters of up to 16 blocks (Hopper)."""
-    _launch_modules()[1].funcSetAttribute(function, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    """Lets ``function`` (a CUfunction) launch in clusters of up to 16 blocks (Hopper); once
+    per function, whether its occupancy is asked first or its launch."""
+    if function not in _large_clusters:
+        _launch_modules()[1].funcSetAttribute(function, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        _large_clusters.add(function)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,6 +135,17 @@ def _driver_function(name: str, pointers: int):
     function.argtypes = [ctypes.c_void_p] * pointers
     function.restype = ctypes.c_int
     return function
+
+
+_launch_ex = None
+
+
+def _launch_kernel_ex():
+    """cuLaunchKernelEx, looked up once: a launch is on every call's path."""
+    global _launch_ex
+    if _launch_ex is None:
+        _launch_ex = _driver_function("cuLaunchKernelEx", 4)
+    return _launch_ex
 
 
 def _launch_modules():

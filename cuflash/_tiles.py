@@ -127,7 +127,7 @@ class Sm90WsFwdTiles:
     block_n: int  # keys per ring buffer
     stages: int  # K and V buffers in the ring
     tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
-    pingpong: bool = False  # the computing warpgroups take turns issuing their products
+    pingpong: bool = False  # the computing warpgroups take turns issuing their products (slower: NOTES v17, v28)
     q_buffers: int = 2  # Q tiles in flight: the next tile's loads under this one's products
     consumers: int = 2  # computing warpgroups
 

@@ -356,6 +356,55 @@ def test_bfloat16_huge_logits(causal):
     _check_huge_logits(_f64(out), _f64(lse), hq, hk, hv, r_out, r_lse, "bfloat16", _default_scale(64), causal=causal)
 
 
+def _float16_row_summing_to(total: int, d: int) -> np.ndarray:
+    """A float16 row of d values whose sum is the integer ``total`` exactly, as is every
+    partial sum in any order (integers below 2^24): 65504s, then integers up to 2048."""
+    sign, left, parts = (1 if total >= 0 else -1), abs(total), []
+    while left:
+        part = 65504 if left >= 65504 else min(left, 2048)
+        parts.append(part)
+        left -= part
+    assert len(parts) <= d
+    return sign * np.array(parts + [0] * (d - len(parts)), dtype=np.float16)
+
+
+@pytest.mark.parametrize("direction", ["into", "out of"])
+def test_float16_row_maxima_crossing_2_20_over_the_scale(direction):
+    """Rows whose scaled max m * scale * log2(e) crosses +-2^20 between two key blocks, with
+    both blocks weighing about the same: the 16-bit forward on Hopper computes a row's
+    exponents against the rounded c = fl(m * scale_log2) while |c| < 2^20 and exactly past
+    it, so the first block's sums must be carried over across the switch with c's rounding
+    error. Scores are integers near 2.9e6 (exact in float32), picked so that the first
+    block's c rounds by nearly half a unit in the last place (0.03 in the exponent), which
+    carried over wrongly would move out by 0.0106. v is +1 on the first block and -1 on the
+    second; out within 4 eps (0.0039) of the reference, lse within 4 float32 eps relative."""
+    d, scale, nq = 128, 0.25, 64
+    s = float(np.float32(scale * np.log2(np.e)))
+    crossing = 2.0**20 / s
+    # the top score inside whose c rounds furthest (exact in float64: 24-bit s times a
+    # 22-bit integer), and one just past the crossing
+    inside = max(range(int(crossing) - 8, int(crossing) + 1), key=lambda t: abs(float(np.float32(t * s)) - t * s))
+    past = int(crossing) + 1
+    # "out of": the first block's top inside, the second's past; "into": the first block's
+    # top -past (beyond -2^20), the second's -inside
+    first, second = (inside, past) if direction == "out of" else (-past, -inside)
+    rng = np.random.default_rng(50)
+    scores = first - rng.integers(0, 4, 256)
+    scores[0], scores[128 + rng.integers(0, 128)] = first, second
+    hk = np.stack([_float16_row_summing_to(int(t), d) for t in scores])[None]
+    hq = np.ones((1, nq, d), dtype=np.float16)
+    hv = np.concatenate([np.ones((128, d)), -np.ones((128, d))]).astype(np.float16)[None]
+    q, k, v = (_to_gpu(x, "float16") for x in (hq, hk, hv))
+    out, lse = _forward(q, k, v, scale=scale)
+    r_out, r_lse = reference.attention(*(x.astype(np.float64) for x in (hq, hk, hv)), scale=scale, return_lse=True)
+    err = np.abs(_f64(out) - r_out).max()
+    assert np.abs(r_out).max() < 0.5, "both blocks should weigh in"
+    assert err <= 4 * eps("float16"), f"out: max error {err:.3g}"
+    # lse near 7e5, where float32's unit in the last place is 0.0625
+    lse_err = np.abs(_f64(lse) - r_lse).max()
+    assert lse_err <= 4 * F32_EPS * np.abs(r_lse).max(), f"lse: max error {lse_err:.3g}"
+
+
 # Nq = 300 queries against Nk = 130 keys: off = -170, so the first rows see nothing.
 NO_KEY_MASKS = {
     "causal": ({"causal": True}, 170),  # row i sees j <= i - 170

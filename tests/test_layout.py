@@ -388,21 +388,27 @@ def test_decode_splits_in_clusters():
 
     plain = _dispatch.decode_splits(8, 4096, None, 132, 64, 4)
     assert plain[0] > 8 and plain[2] == 1
-    assert _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda c: 0) == plain
-    splits, _, cluster = _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda c: 128)
+    assert _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda c, two_level: 0) == plain
+    splits, _, cluster = _dispatch.decode_splits(8, 4096, None, 132, 64, 4, 0, lambda c, two_level: 128)
     assert 1 < cluster <= _dispatch.DECODE_MAX_CLUSTER and splits % cluster == 0
     # clusters above 8 find no room: no count clusters past 8
     for longest in (4096, 32768):
-        splits, _, cluster = _dispatch.decode_splits(8, longest, None, 132, 64, 4, 0, lambda c: 128 if c <= 8 else 0)
+        splits, _, cluster = _dispatch.decode_splits(8, longest, None, 132, 64, 4, 0, lambda c, two_level: 128 if c <= 8 else 0)
         assert cluster <= 8 and splits % cluster == 0
     # room for 96 blocks in clusters of 16 and none in smaller: one wave of 128 needs the global merge
-    assert _dispatch.decode_splits(8, 32768, 16, 132, 64, 4, 0, lambda c: 96 if c == 16 else 0)[2] == 1
+    assert _dispatch.decode_splits(8, 32768, 16, 132, 64, 4, 0, lambda c, two_level: 96 if c == 16 else 0)[2] == 1
     # forced counts are taken as given, merged where it costs less: 5 in one cluster, 17 (a
     # prime past the largest cluster) through global memory, 32 in clusters and then there
-    assert _dispatch.decode_splits(8, 4096, 5, 132, 64, 4, 0, lambda c: 128) == (5, 832, 5)
-    assert _dispatch.decode_splits(8, 32768, 17, 132, 64, 4, 0, lambda c: 1024)[::2] == (17, 1)
-    splits, _, cluster = _dispatch.decode_splits(8, 32768, 32, 132, 64, 4, 0, lambda c: 1024)
+    assert _dispatch.decode_splits(8, 4096, 5, 132, 64, 4, 0, lambda c, two_level: 128) == (5, 832, 5)
+    assert _dispatch.decode_splits(8, 32768, 17, 132, 64, 4, 0, lambda c, two_level: 1024)[::2] == (17, 1)
+    splits, _, cluster = _dispatch.decode_splits(8, 32768, 32, 132, 64, 4, 0, lambda c, two_level: 1024)
     assert splits == 32 and 1 < cluster < 32 and 32 % cluster == 0
+    # the room asked for is the kernel's that would run: where the two-level kernel finds
+    # none, no count takes several clusters per row group
+    for longest, forced in ((32768, 32), (32768, None), (131072, None)):
+        splits, _, cluster = _dispatch.decode_splits(8, longest, forced, 132, 64, 4, 0,
+                                                     lambda c, two_level: 0 if two_level else 1024)
+        assert cluster in (1, splits)
 
 
 def test_decode_splits_count_blocks_that_share_a_multiprocessor():
@@ -412,7 +418,7 @@ def test_decode_splits_count_blocks_that_share_a_multiprocessor():
     4 splits through global memory win; counted as shared, 2 splits merged in clusters."""
     from cuflash import _dispatch
 
-    def room(c):
+    def room(c, two_level):
         return 128
 
     assert _dispatch.decode_splits(64, 4096, None, 264, 128, 4, 256, room) == (4, 1024, 1)

@@ -9,7 +9,9 @@
 // The exponent starts from score - m, which is exact near the top of the row
 // (the two are close), so the largest p is exactly 2^-P_SHIFT however large
 // the logits; scaling first and subtracting a rounded, scaled max would leave
-// that rounding error (thousands, for logits of 1e10) in the exponent.
+// that rounding error (thousands, for logits of 1e10) in the exponent. The fast form
+// (ROUNDED_BASE, below) does round the scaled max, and carries that error with the row's
+// sums, only while it is at most 1/32.
 #pragma once
 
 namespace cuflash {
@@ -24,11 +26,20 @@ __device__ __forceinline__ bool masked_p_vanish(double scale_log2) {
     return !T::SPLIT_SCALE && float(scale_log2) > 0.f;
 }
 
+// ROUNDED_BASE (probabilities' fast form, 16-bit types): a row's exponents are one FMA
+// each, score * scale_log2 - c, against its rounded c = fl(m * scale_log2 + P_SHIFT), in
+// place of a subtraction and an FMA. c's rounding error delta is the same for the whole row,
+// so it cancels in out = acc / l, and lse (from c) carries it exactly, as long as the
+// row's earlier sums are brought over with it too (alpha below); it only shifts p by
+// 2^-delta, |delta| <= 1/32 while |c| < 2^20. Past that (logits of millions)
+// the warp takes the exact form for the block, whose delta is 0.
 template <class T, int M_TILES>
 struct OnlineSoftmax {
     static constexpr float P_SHIFT = float(T::P_SHIFT);
+    static constexpr float ROUNDED_BASE_LIMIT = 1048576.f;   // 2^20 (ROUNDED_BASE)
     float m[M_TILES][2];
     float l[M_TILES][2];
+    float delta[M_TILES][2];   // c - (m * scale_log2 + P_SHIFT) of the row's sums (ROUNDED_BASE; else 0)
     float scale_lo;   // scale_log2 - float(scale_log2), used where T::SPLIT_SCALE
 
     __device__ __forceinline__ explicit OnlineSoftmax(double scale_log2)
@@ -36,7 +47,7 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) { m[mt][h] = -CUFLASH_INF; l[mt][h] = 0.f; }
+            for (int h = 0; h < 2; ++h) { m[mt][h] = -CUFLASH_INF; l[mt][h] = 0.f; delta[mt][h] = 0.f; }
     }
 
     // m is infinite only for a row that has seen no key; it then subtracts 0,
@@ -58,13 +69,78 @@ struct OnlineSoftmax {
     // products still in flight).
     // Score: float, or double for float32 (common.cuh: dot_sum), whose difference
     // from m is then taken in double and rounded after the subtraction.
-    template <bool MASKED, class Score, int N_TILES>
+    template <bool MASKED, bool ROUNDED_BASE = false, class Score, int N_TILES>
     __device__ __forceinline__ void probabilities(Score (&s)[M_TILES][N_TILES][4], float scale_log2,
                                                   float (&alpha)[M_TILES][2]) {
+        static_assert(!ROUNDED_BASE || (!T::SPLIT_SCALE && sizeof(Score) == 4), "the fast form is for 16-bit types");
+        // (the fast form's maxima first, for the warp's vote; the exact form's row by row,
+        // which keeps fewer registers live)
+        float m_new[M_TILES][2];
+        bool rounded = false;   // every row of the warp has |c| under the limit
+        if constexpr (ROUNDED_BASE) {
+            bool fits = true;
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    m_new[mt][h] = new_max<MASKED>(s, mt, h, scale_log2);
+                    fits &= fabsf(fmaf(base_of(m_new[mt][h]), scale_log2, P_SHIFT)) < ROUNDED_BASE_LIMIT;
+                }
+            rounded = __all_sync(0xffffffffu, fits);
+        }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+                if constexpr (!ROUNDED_BASE) m_new[mt][h] = new_max<MASKED>(s, mt, h, scale_log2);
+                const float m_old = m[mt][h];
+                const float base = base_of(m_new[mt][h]);
+                if constexpr (ROUNDED_BASE) {
+                    // alpha = 2^((m_old - m_new) * scale_log2 + delta_old - delta_new)
+                    const float c = fmaf(base, scale_log2, P_SHIFT);
+                    const float delta_new = rounded ? -(fmaf(base, scale_log2, -c) + P_SHIFT) : 0.f;
+                    alpha[mt][h] = is_inf(m_old) ? 0.f
+                                                 : exp2_p<T>(fmaf(m_old - base, scale_log2, delta[mt][h] - delta_new));
+                    delta[mt][h] = delta_new;
+                } else {
+                    // a row that saw no key before this block has acc = l = 0
+                    alpha[mt][h] = is_inf(m_old) ? 0.f : exp2_p<T>(exponent<0>(m_old - base, scale_log2));
+                }
+                m[mt][h] = m_new[mt][h];
+                float sum = 0.f;
+                if (rounded) {
+                    const float c = fmaf(base, scale_log2, P_SHIFT);
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                            const float x = s[mt][nt][e];
+                            const float p = exp2_p<T>(fmaf(x, scale_log2, -c));
+                            const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
+                            s[mt][nt][e] = kept;
+                            sum += kept;
+                        }
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                            const Score x = s[mt][nt][e];
+                            const float p = exp2_p<T>(exponent<T::P_SHIFT>(float(x - base), scale_log2));
+                            const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
+                            s[mt][nt][e] = kept;
+                            sum += kept;
+                        }
+                }
+                l[mt][h] = l[mt][h] * alpha[mt][h] + sum;
+            }
+    }
+
+    // The row's new m: the largest scaled score so far (the max, or for a negative scale the
+    // min, masked scores left out).
+    template <bool MASKED, class Score, int N_TILES>
+    __device__ __forceinline__ float new_max(const Score (&s)[M_TILES][N_TILES][4], int mt, int h,
+                                             float scale_log2) const {
                 const float m_old = m[mt][h];
                 float m_new;
                 if (scale_log2 >= 0.f) {
@@ -86,23 +162,7 @@ struct OnlineSoftmax {
                     top = quad_min(top);
                     m_new = m_old == -CUFLASH_INF ? top : fminf(m_old, top);
                 }
-                const float base = base_of(m_new);
-                // a row that saw no key before this block has acc = l = 0
-                alpha[mt][h] = is_inf(m_old) ? 0.f : exp2_p<T>(exponent<0>(m_old - base, scale_log2));
-                m[mt][h] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        const Score x = s[mt][nt][e];
-                        const float p = exp2_p<T>(exponent<T::P_SHIFT>(float(x - base), scale_log2));
-                        const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
-                        s[mt][nt][e] = kept;
-                        sum += kept;
-                    }
-                l[mt][h] = l[mt][h] * alpha[mt][h] + sum;
-            }
+                return m_new;
     }
 
     template <int D_TILES>
@@ -133,10 +193,15 @@ struct OnlineSoftmax {
                                                 float scale_log2) {
         float alpha[M_TILES][2];
         probabilities<MASKED>(s, scale_log2, alpha);
+        if (any_moved(alpha)) rescale(acc, alpha);
+    }
+
+    // Whether some row of the warp moved its max (alpha is then not exactly 1).
+    __device__ __forceinline__ static bool any_moved(const float (&alpha)[M_TILES][2]) {
         bool moved = false;
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
-        if (__any_sync(0xffffffffu, moved)) rescale(acc, alpha);
+        return __any_sync(0xffffffffu, moved);
     }
 
     // out = acc / l; lse = ln(sum exp(scale * score)) = (m * scale_log2 + P_SHIFT + log2 l) * ln 2.

@@ -9,7 +9,9 @@
 // empty: its last reader is done). The CONSUMERS warpgroups after it (two, or three
 // at head dim 64, where a tile's exponentials weigh most against its products) only
 // compute, each 64 rows of the tile, with the same products and online softmax as
-// attn_fwd_sm90. The
+// attn_fwd_sm90, but for two savings in the softmax's arithmetic (bench/NOTES.md v28):
+// each exponent is one FMA against the row's rounded scaled max (softmax.cuh: ROUNDED_BASE),
+// and a warp whose rows kept their maxima skips the accumulator's rescale. The
 // block is persistent: it runs tiles in turn, drawing each next one from the launch's
 // counter (tile_queue.cuh), so the loads of the next tile run under the products and
 // the stores of this one, and the blocks finish together under a causal mask.
@@ -228,10 +230,10 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
 
     // PINGPONG: the two warpgroups take turns issuing a step's products, each waiting on
     // its own named barrier (1 + consumer) for the other's arrival, so that one's softmax
-    // runs under the other's products. The turn passes once the scores have landed (p v
-    // still running): passed between the products' issue and their wait, the barrier
-    // makes ptxas serialize the products. Both warpgroups run the same tiles and steps, so
-    // the turns pair up; the second one's first arrival lets the first one start.
+    // runs under the other's products. The turn passes as soon as this one's products are
+    // issued, before their wait (NVRTC 13 keeps them asynchronous so). Both warpgroups run
+    // the same tiles and steps, so the turns pair up; the second one's first arrival lets
+    // the first one start.
     constexpr u32 TURN_THREADS = 2 * 128;
     auto my_turn = [&] {
         if constexpr (PINGPONG) named_barrier_sync(u32(1 + consumer), TURN_THREADS);
@@ -265,13 +267,14 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 wgmma_fence();
                 wgmma_rows_rows<T, QTile, KTile, HEAD_DIM, BLOCK_N>(s[0], s_q_rows, s_k + slot.stage * KTile::BYTES);
                 wgmma_commit();
-                if (i > 0) issue_pv(prev);
                 if (i > 0) {
+                    issue_pv(prev);
+                    their_turn();
                     wgmma_wait<1>();
                 } else {
+                    their_turn();
                     wgmma_wait<0>();
                 }
-                their_turn();
                 pin_registers(s);
                 mbarrier_arrive(bar.k_empty(slot.stage));
 
@@ -280,14 +283,15 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 const bool cut = t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N);
                 if (cut) apply_band_rows(s, t.band, t.m_end, t.m0 + warp_row0, n0);
                 if (cut && !vanish) {
-                    softmax.template probabilities<true>(s, scale_log2, alpha);
+                    softmax.template probabilities<true, true>(s, scale_log2, alpha);
                 } else {
-                    softmax.template probabilities<false>(s, scale_log2, alpha);
+                    softmax.template probabilities<false, true>(s, scale_log2, alpha);
                 }
                 wgmma_wait<0>();   // (unconditional: ptxas pairs waits with issues only so)
                 pin_registers(acc);
                 if (i > 0) mbarrier_arrive(bar.v_empty(prev.stage));
-                softmax.rescale(acc, alpha);
+                // (once the maxima settle most blocks move none: alpha is exactly 1)
+                if (softmax.any_moved(alpha)) softmax.rescale(acc, alpha);
                 to_a_fragments<T>(pa, s);
             }
             mbarrier_arrive(bar.q_empty(qs.stage));   // every score product of the tile is done
