@@ -36,7 +36,6 @@ __device__ __forceinline__ bool masked_p_vanish(double scale_log2) {
 template <class T, int M_TILES>
 struct OnlineSoftmax {
     static constexpr float P_SHIFT = float(T::P_SHIFT);
-    static constexpr float ROUNDED_BASE_LIMIT = 1048576.f;   // 2^20 (ROUNDED_BASE)
     float m[M_TILES][2];
     float l[M_TILES][2];
     float delta[M_TILES][2];   // c - (m * scale_log2 + P_SHIFT) of the row's sums (ROUNDED_BASE; else 0)
@@ -78,13 +77,14 @@ struct OnlineSoftmax {
         float m_new[M_TILES][2];
         bool rounded = false;   // every row of the warp has |c| under the limit
         if constexpr (ROUNDED_BASE) {
+            constexpr float LIMIT = 1048576.f;   // 2^20
             bool fits = true;
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     m_new[mt][h] = new_max<MASKED>(s, mt, h, scale_log2);
-                    fits &= fabsf(fmaf(base_of(m_new[mt][h]), scale_log2, P_SHIFT)) < ROUNDED_BASE_LIMIT;
+                    fits &= fabsf(fmaf(base_of(m_new[mt][h]), scale_log2, P_SHIFT)) < LIMIT;
                 }
             rounded = __all_sync(0xffffffffu, fits);
         }
