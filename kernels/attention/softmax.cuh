@@ -95,9 +95,9 @@ struct OnlineSoftmax {
                 if constexpr (!ROUNDED_BASE) m_new[mt][h] = new_max<MASKED>(s, mt, h, scale_log2);
                 const float m_old = m[mt][h];
                 const float base = base_of(m_new[mt][h]);
+                const float c = fmaf(base, scale_log2, P_SHIFT);   // (ROUNDED_BASE)
                 if constexpr (ROUNDED_BASE) {
                     // alpha = 2^((m_old - m_new) * scale_log2 + delta_old - delta_new)
-                    const float c = fmaf(base, scale_log2, P_SHIFT);
                     const float delta_new = rounded ? -(fmaf(base, scale_log2, -c) + P_SHIFT) : 0.f;
                     alpha[mt][h] = is_inf(m_old) ? 0.f
                                                  : exp2_p<T>(fmaf(m_old - base, scale_log2, delta[mt][h] - delta_new));
@@ -107,33 +107,32 @@ struct OnlineSoftmax {
                     alpha[mt][h] = is_inf(m_old) ? 0.f : exp2_p<T>(exponent<0>(m_old - base, scale_log2));
                 }
                 m[mt][h] = m_new[mt][h];
-                float sum = 0.f;
-                if (rounded) {
-                    const float c = fmaf(base, scale_log2, P_SHIFT);
-#pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                            const float x = s[mt][nt][e];
-                            const float p = exp2_p<T>(fmaf(x, scale_log2, -c));
-                            const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
-                            s[mt][nt][e] = kept;
-                            sum += kept;
-                        }
-                } else {
-#pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                            const Score x = s[mt][nt][e];
-                            const float p = exp2_p<T>(exponent<T::P_SHIFT>(float(x - base), scale_log2));
-                            const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
-                            s[mt][nt][e] = kept;
-                            sum += kept;
-                        }
-                }
+                // (one loop per form: the choice made once per row, not per score)
+                const float sum = rounded ? exponentiate<MASKED, true>(s, mt, h, base, c, scale_log2)
+                                          : exponentiate<MASKED, false>(s, mt, h, base, c, scale_log2);
                 l[mt][h] = l[mt][h] * alpha[mt][h] + sum;
             }
+    }
+
+    // p for each score of row (mt, h), in place, and their sum: from score * scale_log2 - c
+    // (ROUNDED: the fast form) or from score - base (the exact form).
+    template <bool MASKED, bool ROUNDED, class Score, int N_TILES>
+    __device__ __forceinline__ float exponentiate(Score (&s)[M_TILES][N_TILES][4], int mt, int h, float base, float c,
+                                                  float scale_log2) const {
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                const Score x = s[mt][nt][e];
+                const float exp = ROUNDED ? fmaf(float(x), scale_log2, -c)
+                                          : exponent<T::P_SHIFT>(float(x - base), scale_log2);
+                const float p = exp2_p<T>(exp);
+                const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
+                s[mt][nt][e] = kept;
+                sum += kept;
+            }
+        return sum;
     }
 
     // The row's new m: the largest scaled score so far (the max, or for a negative scale the
@@ -141,28 +140,28 @@ struct OnlineSoftmax {
     template <bool MASKED, class Score, int N_TILES>
     __device__ __forceinline__ float new_max(const Score (&s)[M_TILES][N_TILES][4], int mt, int h,
                                              float scale_log2) const {
-                const float m_old = m[mt][h];
-                float m_new;
-                if (scale_log2 >= 0.f) {
-                    float top = -CUFLASH_INF;
+        const float m_old = m[mt][h];
+        float m_new;
+        if (scale_log2 >= 0.f) {
+            float top = -CUFLASH_INF;
 #pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
+            for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                        for (int e = 2 * h; e < 2 * h + 2; ++e) top = fmaxf(top, float(s[mt][nt][e]));
-                    m_new = fmaxf(m_old, quad_max(top));
-                } else {
-                    float top = CUFLASH_INF;
+                for (int e = 2 * h; e < 2 * h + 2; ++e) top = fmaxf(top, float(s[mt][nt][e]));
+            m_new = fmaxf(m_old, quad_max(top));
+        } else {
+            float top = CUFLASH_INF;
 #pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
+            for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                            const float x = float(s[mt][nt][e]);
-                            top = fminf(top, MASKED && x == -CUFLASH_INF ? CUFLASH_INF : x);
-                        }
-                    top = quad_min(top);
-                    m_new = m_old == -CUFLASH_INF ? top : fminf(m_old, top);
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    const float x = float(s[mt][nt][e]);
+                    top = fminf(top, MASKED && x == -CUFLASH_INF ? CUFLASH_INF : x);
                 }
-                return m_new;
+            top = quad_min(top);
+            m_new = m_old == -CUFLASH_INF ? top : fminf(m_old, top);
+        }
+        return m_new;
     }
 
     template <int D_TILES>
