@@ -5,7 +5,7 @@ variant = int(sys.argv[1])
 from cuflash import _compile
 base = _compile._common_options
 _compile._common_options = lambda: base() + (f"-DCUFLASH_PROBE={variant}",)
-assert variant in (0, 1, 2, 3, 4, 5, 6)
+assert variant in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 import cupy, numpy as np
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 import bench_attention as ba
