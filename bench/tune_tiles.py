@@ -45,11 +45,11 @@ FWD_CANDIDATES = {
 # attn_fwd_sm90 (one warpgroup per block and 2-4 blocks per SM: the blocks' prologues and
 # softmaxes overlap each other's products without a barrier between them)
 SM90_FWD_CANDIDATES = {
-    64: [("ws", 128, 2), ("ws", 128, 2, True), ("ws", 128, 2, False, 2, 3), (64, 2, 2, 1), (64, 1, 2, 3),
+    64: [("ws", 128, 2), ("ws", 128, 2, True), ("ws", 128, 2, False, 2, 3), ("ws", 128, 3, False, 2, 3), (64, 2, 2, 1), (64, 1, 2, 3),
          (64, 1, 2, 4), (128, 1, 2, 2)],
     128: [("ws", 128, 2), ("ws", 128, 2, True), ("ws", 176, 2, False, 1), (128, 2, 2, 1), (64, 2, 2, 1),
           (64, 1, 2, 2)],
-    256: [(64, 2, 2, 1), ("ws", 64, 2, False, 1), ("ws", 64, 2, True, 1)],
+    256: [(64, 2, 2, 1), ("ws", 64, 2, False, 1), ("ws", 64, 2, True, 1), ("ws", 80, 2, False, 1)],
 }
 
 

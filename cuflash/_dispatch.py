@@ -71,8 +71,8 @@ def forward_launches(x) -> Launches:
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
-    causal = x.left is None and x.right is not None   # each row sees its whole past
-    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, causal) if _compile.current_arch() == "sm_90a" else None
+    mask = "window" if x.left is not None else "causal" if x.right is not None else "none"   # (_tiles.MASKS)
+    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask) if _compile.current_arch() == "sm_90a" else None
     maps = None
     if isinstance(hopper, Sm90WsFwdTiles):   # through the copy engine where maps describe the inputs
         maps = _tensor_map.attention_maps(x, hopper.block_m, hopper.block_n)

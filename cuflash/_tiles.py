@@ -148,12 +148,12 @@ class Sm90WsFwdTiles:
     def without_maps(self) -> Sm90WsFwdTiles | None:
         """These tiles where no tensor map describes the inputs (packed sequences, strides a
         map cannot hold): loaded by cp.async with two computing warpgroups (three would
-        spill beside that loader's registers). Tiles that run through maps only take the
+        spill beside that loader's registers) on two K/V stages. Tiles that run through maps only take the
         128-key blocks with two Q buffers instead, or None at head dim 256, where
         attn_fwd_sm90 runs then."""
         if self.maps_only:
             return None if self.head_dim > 128 else Sm90WsFwdTiles(self.head_dim, 128, stages=2)
-        return dataclasses.replace(self, tma=False, consumers=2)
+        return dataclasses.replace(self, tma=False, consumers=2, stages=2)
 
     def smem_bytes(self, itemsize: int) -> int:
         # tile_config.cuh: Sm90WsFwdConfig::SMEM_BYTES (the Q buffers, the ring, 8-byte barriers,
@@ -163,40 +163,48 @@ class Sm90WsFwdTiles:
 
 
 SM90_WS_FWD_D64_THREE_FROM_KEYS = 2048
-SM90_WS_FWD_D128_WIDE_FROM_KEYS = 8192
+# 176-key blocks at head dim 128 from this many keys per tile, by mask (MASKS)
+SM90_WS_FWD_D128_WIDE_FROM_KEYS = {"none": 2048, "causal": 8192}
+
+# What a call's mask is to the choice of tiles: "none" (every row sees every key),
+# "causal" (each row sees its whole past, its future cut) or "window" (anything else).
+MASKS = ("none", "causal", "window")
 
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
-                      causal: bool = False) -> Sm90WsFwdTiles | None:
+                      mask: str = "window") -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
-    measurement (bench/NOTES.md v13, v17, v19, v20): head dims 64 and 128, except head dim 64
+    measurement (bench/NOTES.md v13, v17, v19, v20, v30): head dims 64 and 128, except head dim 64
     with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
     of one warpgroup, four per SM, stay ahead; at head dim 64 from 2048 keys three computing
     warpgroups (1.01-1.12x two, through maps; shorter, the 192-row tiles lost up to 11 %
-    under a causal mask); at head dim 128 under a causal mask (``causal``: each row sees its
-    whole past, its future cut) from 8192 keys, 176-key blocks with one Q buffer (1.01-1.08x
-    128 in six processes, bench/NOTES.md v20 and v21; without a mask they were mixed); and head dim 256, with one Q buffer and through tensor
-    maps only (``maps_only``): there it ran at 1.2-1.4x attn_fwd_sm90 without a mask, and
-    with its tiles drawn from a counter at 1.28-1.41x under a causal mask. None elsewhere.
-    These are the tiles through maps; ``without_maps`` gives the others."""
+    under a causal mask), without a mask on a ring of three K/V stages (1.01-1.04x two at
+    2048 and 4096 keys, v30; level under a causal mask); at head dim 128, 176-key blocks with one Q buffer without a mask
+    from 2048 keys (1.01-1.06x the 128-key blocks, v30) and under a causal mask from 8192
+    (1.01-1.08x in six processes, v20 and v21); and head dim 256, 80-key blocks with one Q buffer
+    and through tensor maps only (``maps_only``; 1.02-1.08x 64-key blocks, v30, which ran at
+    1.2-1.4x attn_fwd_sm90). None elsewhere. These are the tiles through maps;
+    ``without_maps`` gives the others."""
     if dtype_name == "float32":
         return None
     if head_dim == 256:
-        return Sm90WsFwdTiles(256, 64, stages=2, q_buffers=1)
+        return Sm90WsFwdTiles(256, 80, stages=2, q_buffers=1)
     if head_dim not in (64, 128):
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         return None
-    if head_dim == 128 and causal and keys is not None and keys >= SM90_WS_FWD_D128_WIDE_FROM_KEYS:
+    wide_from = SM90_WS_FWD_D128_WIDE_FROM_KEYS.get(mask)
+    if head_dim == 128 and wide_from is not None and keys is not None and keys >= wide_from:
         return Sm90WsFwdTiles(128, 176, stages=2, q_buffers=1)
     three = head_dim == 64 and (keys is None or keys >= SM90_WS_FWD_D64_THREE_FROM_KEYS)
-    return Sm90WsFwdTiles(head_dim, 128, stages=2, consumers=3 if three else 2)
+    stages = 3 if three and mask == "none" else 2
+    return Sm90WsFwdTiles(head_dim, 128, stages=stages, consumers=3 if three else 2)
 
 
-def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, causal: bool = False):
+def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, mask: str = "window"):
     """The Hopper forward's kernel for a call: loading-warpgroup tiles (Sm90WsFwdTiles),
     attn_fwd_sm90 tiles (Sm90FwdTiles), or None where the portable kernel runs."""
-    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, causal)
+    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, mask)
     return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys)
 
 
@@ -210,7 +218,7 @@ def hopper_fwd_name(dtype_name: str, tiles, packed: bool = False) -> str:
 # Keys per tile on either side of where the Hopper forward's choice of kernel changes
 # (hopper_fwd_tiles), for the list of specializations
 HOPPER_FWD_KEYS = (128, SM90_WS_FWD_D64_THREE_FROM_KEYS // 2, SM90_WS_FWD_D64_THREE_FROM_KEYS,
-                   SM90_WS_FWD_D128_WIDE_FROM_KEYS)
+                   *SM90_WS_FWD_D128_WIDE_FROM_KEYS.values())
 
 
 def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
@@ -412,8 +420,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             for packed in (False, True):
                 sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
                 if sm90 is not None:   # then the portable kernels never run there
-                    for keys, causal in itertools.product(HOPPER_FWD_KEYS, (False, True)):
-                        tiles = hopper_fwd_tiles(dt, hd, keys, causal)
+                    for keys, mask in itertools.product(HOPPER_FWD_KEYS, MASKS):
+                        tiles = hopper_fwd_tiles(dt, hd, keys, mask)
                         variants = [tiles]
                         if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
                             variants = [dataclasses.replace(tiles, tma=True)] if not packed else []

@@ -65,8 +65,8 @@ def test_hopper_specializations_fit_shared_memory():
                     # every kernel the forward picks, by keys per tile, is compiled and fits:
                     # the loading-warpgroup tiles through maps where dense, by cp.async where
                     # no map fits, or (maps_only) attn_fwd_sm90 there
-                    for keys, causal in itertools.product((64, 100, 128, 200, 1000, 5000, 10000), (False, True)):
-                        tiles = _tiles.hopper_fwd_tiles(dt, hd, keys, causal)
+                    for keys, mask in itertools.product((64, 100, 128, 200, 1000, 2047, 5000, 10000), _tiles.MASKS):
+                        tiles = _tiles.hopper_fwd_tiles(dt, hd, keys, mask)
                         picks = [tiles]
                         if isinstance(tiles, _tiles.Sm90WsFwdTiles):
                             fallback = tiles.without_maps() or _tiles.sm90_fwd_tiles(dt, hd, keys)
@@ -85,13 +85,19 @@ def test_hopper_specializations_fit_shared_memory():
                     three = hd == 64
                     assert ws.consumers == (3 if three else 2) and ws.block_m == 64 * ws.consumers
                     assert _tiles.sm90_ws_fwd_tiles(dt, hd, 2047).consumers == 2
+                    for mask in _tiles.MASKS:   # three K/V stages with three computing warpgroups without a mask
+                        assert _tiles.sm90_ws_fwd_tiles(dt, hd, 5000, mask).stages == (3 if three and mask == "none" else 2)
                     fallback = ws.without_maps()
-                    assert fallback is None if ws.maps_only else (fallback.consumers == 2 and not fallback.tma)
-                if hd == 128:   # 176-key blocks under a causal mask from 8192 keys; by cp.async the 128-key default
-                    wide = _tiles.sm90_ws_fwd_tiles(dt, hd, 8192, causal=True)
-                    assert (wide.block_n, wide.q_buffers) == (176, 1) and wide.maps_only
-                    assert wide.without_maps() == _tiles.sm90_ws_fwd_tiles(dt, hd, 8192)
-                    assert _tiles.sm90_ws_fwd_tiles(dt, hd, 8191, causal=True).block_n == 128
+                    assert fallback is None if ws.maps_only else (fallback.consumers == fallback.stages == 2 and not fallback.tma)
+                if hd == 128:   # 176-key blocks without a mask from 2048 keys, causal from 8192; by cp.async 128 keys
+                    for mask, keys in (("none", 2048), ("causal", 8192)):
+                        wide = _tiles.sm90_ws_fwd_tiles(dt, hd, keys, mask)
+                        assert (wide.block_n, wide.q_buffers) == (176, 1) and wide.maps_only
+                        assert wide.without_maps() == _tiles.sm90_ws_fwd_tiles(dt, hd, keys, "window")
+                        assert _tiles.sm90_ws_fwd_tiles(dt, hd, keys - 1, mask).block_n == 128
+                    assert _tiles.sm90_ws_fwd_tiles(dt, hd, 10**6, "window").block_n == 128
+                if hd == 256:   # 80-key blocks, one Q buffer, through maps only
+                    assert (ws.block_n, ws.q_buffers, ws.maps_only) == (80, 1, True)
                 assert fwd.smem_bytes(2) <= 232448 and bwd.smem_bytes(2) <= 232448
                 assert bwd.dkdv_smem_bytes(2) <= 232448
     assert _tiles.sm90_fwd_tiles("float32", 64) is None

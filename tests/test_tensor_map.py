@@ -312,23 +312,27 @@ def test_the_loading_warpgroup_forward_through_maps(name, dtype, d, causal):
     assert bool((again == out).all())   # deterministic, through the kept maps
 
 
-# (d, block_n, q_buffers, pingpong, computing warpgroups, loader)
-WS_VARIANTS = [(d, block_n, q_buffers, pingpong, 2, loader)
+# (d, block_n, stages, q_buffers, pingpong, computing warpgroups, loader)
+WS_VARIANTS = [(d, block_n, 2, q_buffers, pingpong, 2, loader)
                for d, block_n, q_buffers in ((64, 128, 2), (128, 128, 2), (256, 64, 1), (200, 64, 1))
                for pingpong in (False, True) for loader in ("tma", "cp.async")]
 WS_VARIANTS += [
-    (128, 176, 1, False, 2, "tma"), (128, 176, 1, False, 2, "cp.async"),   # 176-key blocks, one Q buffer
-    (64, 128, 2, False, 3, "tma"),   # three computing warpgroups (through maps: by cp.async they spill)
+    (128, 176, 2, 1, False, 2, "tma"), (128, 176, 2, 1, False, 2, "cp.async"),   # 176-key blocks, one Q buffer
+    (256, 80, 2, 1, False, 2, "tma"), (256, 80, 2, 1, False, 2, "cp.async"),   # 80-key blocks (the default at 256)
+    (200, 80, 2, 1, False, 2, "tma"),
+    (64, 128, 2, 2, False, 3, "tma"),   # three computing warpgroups (through maps: by cp.async they spill)
+    (64, 128, 3, 2, False, 3, "tma"),   # and a ring of three K/V stages (their default without a mask)
 ]
 
 
-@pytest.mark.parametrize("d, block_n, q_buffers, pingpong, consumers, loader", WS_VARIANTS)
+@pytest.mark.parametrize("d, block_n, stages, q_buffers, pingpong, consumers, loader", WS_VARIANTS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, block_n, q_buffers, pingpong, consumers,
-                                                            loader, causal):
+def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, block_n, stages, q_buffers, pingpong,
+                                                            consumers, loader, causal):
     """The shapes bench/tune_tiles.py may time (turns between the computing warpgroups, one Q
-    buffer at head dim 256, 176-key blocks at 128, three computing warpgroups at 64), by
-    either loader where it fits, on a problem of more tiles than blocks."""
+    buffer and 64- or 80-key blocks at head dim 256, 176-key blocks at 128, three computing
+    warpgroups and two or three K/V stages at 64), by either loader where it fits, on a
+    problem of more tiles than blocks."""
     sm90_or_skip()
     import cupy
     from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
@@ -336,14 +340,14 @@ def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, bloc
     import cuflash
     from cuflash import _dispatch, _plans, _tiles, naive, reference
 
-    tiles = _tiles.Sm90WsFwdTiles(_tiles.head_dim_bucket(d, d), block_n, 2, pingpong=pingpong, q_buffers=q_buffers,
-                                  consumers=consumers)
+    tiles = _tiles.Sm90WsFwdTiles(_tiles.head_dim_bucket(d, d), block_n, stages, pingpong=pingpong,
+                                  q_buffers=q_buffers, consumers=consumers)
     monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles)
     if loader == "cp.async":
         monkeypatch.setattr(_tensor_map, "attention_maps", lambda *args: None)
     _plans.clear()
     try:
-        rng = np.random.default_rng(d + 7 * pingpong + causal)
+        rng = np.random.default_rng(d + 7 * pingpong + 3 * stages + causal)
         nq = 700 if consumers == 2 else 1000   # 192 tiles either way: blocks run two in turn
         q, k, v = (random_array(rng, (4, 8, n, d), "bfloat16") for n in (nq, 650, 650))
         q = q * 4
@@ -359,10 +363,16 @@ def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, bloc
     assert_lse_close(cupy.asnumpy(lse), r_lse)
 
 
-@pytest.mark.parametrize("causal, block_n", [(True, 176), (False, 128)])
-def test_the_default_at_head_dim_128_past_8192_keys(causal, block_n):
-    """From 8192 keys per tile a causal forward at head dim 128 takes 176-key blocks with one
-    Q buffer through maps (an unmasked one keeps 128-key blocks), and matches the reference."""
+# (causal, window, keys, the key block picked)
+D128_DEFAULTS = [(True, None, 8300, 176), (True, None, 8000, 128), (False, None, 2100, 176), (False, None, 2000, 128),
+                 (False, (4000, 100), 8300, 128)]
+
+
+@pytest.mark.parametrize("causal, window, keys, block_n", D128_DEFAULTS)
+def test_the_defaults_at_head_dim_128_by_mask_and_keys(causal, window, keys, block_n):
+    """At head dim 128 a forward takes 176-key blocks with one Q buffer through maps without
+    a mask from 2048 keys per tile and under a causal mask from 8192 (a windowed one keeps
+    128-key blocks and two Q buffers), and matches the reference either way."""
     sm90_or_skip()
     import cupy
     from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
@@ -371,15 +381,16 @@ def test_the_default_at_head_dim_128_past_8192_keys(causal, block_n):
     from cuflash import _plans, _tiles, naive, reference
 
     _plans.clear()
-    rng = np.random.default_rng(8192 + causal)
-    q, k, v = (random_array(rng, (1, 2, n, 128), "float16") for n in (300, 8300, 8300))
+    rng = np.random.default_rng(keys + causal)
+    q, k, v = (random_array(rng, (1, 2, n, 128), "float16") for n in (300, keys, keys))
     q = q * 4
     with poisoned_allocations():
-        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-    (main,) = [r for r in _plans.forward(q, k, v, causal, None, None)[0].launches.runs if hasattr(r, "maps")]
-    picked = _tiles.Sm90WsFwdTiles(128, block_n, 2, q_buffers=1 if causal else 2)
+        out, lse = cuflash.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    (main,) = [r for r in _plans.forward(q, k, v, causal, window, None)[0].launches.runs if hasattr(r, "maps")]
+    picked = _tiles.Sm90WsFwdTiles(128, block_n, 2, q_buffers=1 if block_n == 176 else 2)
     assert main.maps is not None and main.smem == picked.smem_bytes(2)
-    n_out, _ = naive.attention(q, k, v, causal=causal, return_lse=True)
-    r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    n_out, _ = naive.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, window=window,
+                                       return_lse=True)
     assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, "float16", c=2)
     assert_lse_close(cupy.asnumpy(lse), r_lse)

@@ -92,6 +92,7 @@ template <class T, int N> __device__ void wgmma_rs(float (&d)[N / 8][4], const u
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
+#define CUFLASH_R32_39 "%32, %33, %34, %35, %36, %37, %38, %39"
 #define CUFLASH_R64_87 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
     "%80, %81, %82, %83, %84, %85, %86, %87"
 
@@ -100,6 +101,7 @@ template <class T, int N> __device__ void wgmma_rs(float (&d)[N / 8][4], const u
     CUFLASH_ACC1(j + 4), CUFLASH_ACC1(j + 5), CUFLASH_ACC1(j + 6), CUFLASH_ACC1(j + 7)
 #define CUFLASH_ACC_32 CUFLASH_ACC1(0), CUFLASH_ACC1(1), CUFLASH_ACC1(2), CUFLASH_ACC1(3)
 #define CUFLASH_ACC_64 CUFLASH_ACC8(0)
+#define CUFLASH_ACC_80 CUFLASH_ACC8(0), CUFLASH_ACC1(8), CUFLASH_ACC1(9)
 #define CUFLASH_ACC_128 CUFLASH_ACC8(0), CUFLASH_ACC8(8)
 #define CUFLASH_ACC_176 CUFLASH_ACC8(0), CUFLASH_ACC8(8), CUFLASH_ACC1(16), CUFLASH_ACC1(17), CUFLASH_ACC1(18), \
     CUFLASH_ACC1(19), CUFLASH_ACC1(20), CUFLASH_ACC1(21)
@@ -126,6 +128,7 @@ template <class T, int N> __device__ void wgmma_rs(float (&d)[N / 8][4], const u
 #define CUFLASH_WGMMA_ALL(TYPE, PTX_TYPE)                                                                          \
     CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 32, CUFLASH_R0_15, "%16", "%17", "%18")                                        \
     CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32", "%33", "%34")                                        \
+    CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 80, CUFLASH_R0_31 ", " CUFLASH_R32_39, "%40", "%41", "%42")                    \
     CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64", "%65", "%66")                   \
     CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 176, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_87, "%88", "%89", "%90") \
     CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32, %33, %34, %35", "%36", "%37")                         \
