@@ -28,6 +28,7 @@ SCRIPTS = [
     ("bench/host_overhead.py", []),
     ("bench/profile_case.py", []),
     ("bench/tune_tiles.py", []),
+    ("bench/ab_trees.py", ["."]),
     ("tools/warm_cache.py", []),
 ]
 
@@ -129,3 +130,23 @@ def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
     assert lines[-1].endswith("1.00 / 1.00 / 1.00 (10th percentile / median / 90th)"), lines[-1]
     lines = run_against(script, tmp_path, {"rows": now}, {"rows": eager})
     assert lines[-1].endswith("no Nq = 1 cell timed by graph_ms in both runs"), lines[-1]
+
+
+def test_ab_trees_takes_the_median_over_processes_per_tree():
+    """bench/ab_trees.py's table: per cell, each tree's median over its processes' ratios to
+    cuDNN, and new / old; a cell only one tree timed is left out."""
+    import importlib.util
+
+    path = ROOT / "bench" / "ab_trees.py"
+    if not path.is_file():
+        pytest.skip("bench/ab_trees.py is not beside the tests (they run outside a source checkout)")
+    spec = importlib.util.spec_from_file_location("ab_trees", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    a, b = ("float16", 64, 2048, True, "fwd"), ("bfloat16", 64, 4096, False, "fwd")
+    rows = ab.summarize({"old": {a: [0.90, 0.80, 0.95], b: [1.0]}, "new": {a: [0.99, 1.00]}})
+    assert len(rows) == 1
+    cell, old, new, gain = rows[0]
+    assert cell == a and old == 0.90 and new == 0.995 and abs(gain - 0.995 / 0.90) < 1e-12
+    args = ab.parse_args(["old", "--head-dims", "64", "128", "--seqlens", "2048", "--causal", "1"])
+    assert ab.cells(args) == [(dt, d, 2048, True, "fwd") for dt in ("float16", "bfloat16") for d in (64, 128)]
