@@ -150,3 +150,15 @@ def test_ab_trees_takes_the_median_over_processes_per_tree():
     assert cell == a and old == 0.90 and new == 0.995 and abs(gain - 0.995 / 0.90) < 1e-12
     args = ab.parse_args(["old", "--head-dims", "64", "128", "--seqlens", "2048", "--causal", "1"])
     assert ab.cells(args) == [(dt, d, 2048, True, "fwd") for dt in ("float16", "bfloat16") for d in (64, 128)]
+
+
+def test_device_check_refuses_an_unknown_step_before_running_any(tmp_path):
+    """tools/device_check.sh checks every step name first: a typo costs no device time."""
+    script = ROOT / "tools" / "device_check.sh"
+    if not script.is_file():
+        pytest.skip("tools/device_check.sh is not beside the tests (they run outside a source checkout)")
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "warm_cache", "gird"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "no step named gird" in done.stderr
+    assert not (tmp_path / "out" / "steps.txt").exists() and not (tmp_path / "out" / "warm_cache.txt").exists()

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU except the benchmark grid, in one go, from a source checkout:
+# The checks that need a GPU, in one go, from a source checkout:
 #
-#   bash tools/device_check.sh OUTDIR
+#   bash tools/device_check.sh OUTDIR [STEP ...]
 #
-# python -m cuflash (twice: with CuPy's kernel cache cold, then warm), the whole test suite
-# (after tools/warm_cache.py has compiled every kernel in parallel),
-# the long-sequence memory test's numbers, compute-sanitizer's four tools, the float32
-# accuracy table, the training example and the host time per call. One log per step in
-# OUTDIR; a summary of each is printed last.
+# Without STEPs, everything but the benchmarks: python -m cuflash (twice: with CuPy's kernel
+# cache cold, then warm), the whole test suite (after tools/warm_cache.py has compiled every
+# kernel in parallel), the long-sequence memory test's numbers, compute-sanitizer's four tools,
+# the float32 accuracy table, the training example and the host time per call. STEPs pick and
+# order them by name (cli warm_cache pytest long_sequence sanitize float32_accuracy
+# train_example host_overhead) and add the benchmarks: grid (bench/bench_attention.py),
+# model_shapes, decode (each into OUTDIR/NAME/). A run of record on a device call's time:
+#
+#   SANITIZE_TOOLS="memcheck synccheck" bash tools/device_check.sh OUT warm_cache pytest grid model_shapes sanitize
+#
+# One log per step in OUTDIR (NAME.txt), a line per step in OUTDIR/steps.txt as each ends; a
+# summary of each step is printed last.
 set -u -o pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,22 +33,52 @@ step() {   # step NAME COMMAND...: runs it, its output in OUTDIR/NAME.txt, and r
     echo "$name: exit $status, $((SECONDS - start)) s" >>"$out/steps.txt"
 }
 
+steps=("${@:2}")
+if [ ${#steps[@]} -eq 0 ]; then
+    steps=(cli warm_cache pytest long_sequence sanitize float32_accuracy train_example host_overhead)
+fi
+known=" cli warm_cache pytest long_sequence sanitize float32_accuracy train_example host_overhead grid model_shapes decode "
+for name in "${steps[@]}"; do   # every name checked before any step runs
+    if [[ "$known" != *" $name "* ]]; then
+        echo "device_check.sh: no step named $name (steps:$known)" >&2
+        exit 2
+    fi
+done
+
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader >"$out/steps.txt" 2>&1
-step cli bash -c "time $python -m cuflash && time $python -m cuflash --dtype bfloat16 --head-dim 59 --causal"
-step warm_cache "$python" tools/warm_cache.py
-step pytest "$python" -m pytest -q -rs tests
-step long_sequence "$python" -m pytest -q -s tests/test_backward.py -k long_sequence
-step sanitize bash tools/sanitize.sh "${TMPDIR:-/tmp}/cuflash-sanitize"
-step float32_accuracy "$python" bench/float32_accuracy.py
-step train_example "$python" examples/train_attention.py
-step host_overhead "$python" bench/host_overhead.py
+for name in "${steps[@]}"; do
+    case "$name" in
+        cli) step cli bash -c "time $python -m cuflash && time $python -m cuflash --dtype bfloat16 --head-dim 59 --causal" ;;
+        warm_cache) step warm_cache "$python" tools/warm_cache.py ;;
+        pytest) step pytest "$python" -m pytest -q -rs tests ;;
+        long_sequence) step long_sequence "$python" -m pytest -q -s tests/test_backward.py -k long_sequence ;;
+        sanitize) step sanitize bash tools/sanitize.sh "$out/sanitize_logs" ;;
+        float32_accuracy) step float32_accuracy "$python" bench/float32_accuracy.py ;;
+        train_example) step train_example "$python" examples/train_attention.py ;;
+        host_overhead) step host_overhead "$python" bench/host_overhead.py ;;
+        grid) step grid "$python" bench/bench_attention.py --out "$out/grid" ;;
+        model_shapes) step model_shapes "$python" bench/model_shapes.py --out "$out/model_shapes" ;;
+        decode) step decode "$python" bench/decode.py --out "$out/decode" ;;
+    esac
+done
 
 cat "$out/steps.txt"
-echo "== cli";              grep -E "first call|max \||cuflash |naive|faster|real" "$out/cli.txt"
-echo "== warm cache";       tail -n 1 "$out/warm_cache.txt"
-echo "== pytest";           tail -n 1 "$out/pytest.txt"
-echo "== long sequence";    grep -E "pool peak|passed|failed" "$out/long_sequence.txt"
-echo "== sanitize";         grep -E "^(memcheck|racecheck|initcheck|synccheck)|passed|FAILED" "$out/sanitize.txt"
-echo "== float32 accuracy"; tail -n 1 "$out/float32_accuracy.txt"
-echo "== train example";    tail -n 1 "$out/train_example.txt"
-echo "== host overhead";    tail -n 8 "$out/host_overhead.txt"
+summary() {   # summary NAME COMMAND...: the step's summary lines, where it ran
+    local name=$1
+    shift
+    if [ -f "$out/$name.txt" ]; then
+        echo "== ${name//_/ }"
+        "$@" "$out/$name.txt"
+    fi
+}
+summary cli grep -E "first call|max \||cuflash |naive|faster|real"
+summary warm_cache tail -n 1
+summary pytest tail -n 1
+summary long_sequence grep -E "pool peak|passed|failed"
+summary sanitize grep -E "^(memcheck|racecheck|initcheck|synccheck)|passed|FAILED"
+summary float32_accuracy tail -n 1
+summary train_example tail -n 1
+summary host_overhead tail -n 8
+summary grid tail -n 3
+summary model_shapes tail -n 4
+summary decode tail -n 3
