@@ -148,8 +148,8 @@ class Sm90WsFwdTiles:
     def without_maps(self) -> Sm90WsFwdTiles | None:
         """These tiles where no tensor map describes the inputs (packed sequences, strides a
         map cannot hold): loaded by cp.async with two computing warpgroups (three would
-        spill beside that loader's registers) on two K/V stages. Tiles that run through maps only take the
-        128-key blocks with two Q buffers instead, or None at head dim 256, where
+        spill beside that loader's registers) on two K/V stages. Tiles that run through maps
+        only take the 128-key blocks with two Q buffers instead, or None at head dim 256, where
         attn_fwd_sm90 runs then."""
         if self.maps_only:
             return None if self.head_dim > 128 else Sm90WsFwdTiles(self.head_dim, 128, stages=2)
@@ -178,13 +178,13 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
     of one warpgroup, four per SM, stay ahead; at head dim 64 from 2048 keys three computing
     warpgroups (1.01-1.12x two, through maps; shorter, the 192-row tiles lost up to 11 %
-    under a causal mask), without a mask on a ring of three K/V stages (1.01-1.04x two at
-    2048 and 4096 keys, v30; level under a causal mask); at head dim 128, 176-key blocks with one Q buffer without a mask
-    from 2048 keys (1.01-1.06x the 128-key blocks, v30) and under a causal mask from 8192
-    (1.01-1.08x in six processes, v20 and v21); and head dim 256, 80-key blocks with one Q buffer
-    and through tensor maps only (``maps_only``; 1.02-1.08x 64-key blocks, v30, which ran at
-    1.2-1.4x attn_fwd_sm90). None elsewhere. These are the tiles through maps;
-    ``without_maps`` gives the others."""
+    under a causal mask), without a mask on a ring of three K/V stages (0.99-1.04x two,
+    v30; 0.98-1.01x under a causal mask); at head dim 128, 176-key blocks with one Q buffer
+    without a mask from 2048 keys (0.99-1.08x the 128-key blocks, 1.03-1.08x from 4096, v30)
+    and under a causal mask from 8192 (1.01-1.08x in six processes, v20 and v21); and head dim
+    256, 80-key blocks with one Q buffer and through tensor maps only (``maps_only``; 1.02-1.11x
+    64-key blocks, v30, which ran at 1.2-1.4x attn_fwd_sm90). None elsewhere. These are the
+    tiles through maps; ``without_maps`` gives the others."""
     if dtype_name == "float32":
         return None
     if head_dim == 256:

@@ -33,33 +33,33 @@ step() {   # step NAME COMMAND...: runs it, its output in OUTDIR/NAME.txt, and r
     echo "$name: exit $status, $((SECONDS - start)) s" >>"$out/steps.txt"
 }
 
+# The steps, one function each (run_NAME); a step's name is its function's.
+run_cli() { bash -c "time $python -m cuflash && time $python -m cuflash --dtype bfloat16 --head-dim 59 --causal"; }
+run_warm_cache() { "$python" tools/warm_cache.py; }
+run_pytest() { "$python" -m pytest -q -rs tests; }
+run_long_sequence() { "$python" -m pytest -q -s tests/test_backward.py -k long_sequence; }
+run_sanitize() { bash tools/sanitize.sh "$out/sanitize_logs"; }
+run_float32_accuracy() { "$python" bench/float32_accuracy.py; }
+run_train_example() { "$python" examples/train_attention.py; }
+run_host_overhead() { "$python" bench/host_overhead.py; }
+run_grid() { "$python" bench/bench_attention.py --out "$out/grid"; }
+run_model_shapes() { "$python" bench/model_shapes.py --out "$out/model_shapes"; }
+run_decode() { "$python" bench/decode.py --out "$out/decode"; }
+
 steps=("${@:2}")
 if [ ${#steps[@]} -eq 0 ]; then
     steps=(cli warm_cache pytest long_sequence sanitize float32_accuracy train_example host_overhead)
 fi
-known=" cli warm_cache pytest long_sequence sanitize float32_accuracy train_example host_overhead grid model_shapes decode "
 for name in "${steps[@]}"; do   # every name checked before any step runs
-    if [[ "$known" != *" $name "* ]]; then
-        echo "device_check.sh: no step named $name (steps:$known)" >&2
+    if ! declare -F "run_$name" >/dev/null; then
+        echo "device_check.sh: no step named $name (steps: $(declare -F | sed -n 's/^declare -f run_//p' | tr '\n' ' '))" >&2
         exit 2
     fi
 done
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader >"$out/steps.txt" 2>&1
 for name in "${steps[@]}"; do
-    case "$name" in
-        cli) step cli bash -c "time $python -m cuflash && time $python -m cuflash --dtype bfloat16 --head-dim 59 --causal" ;;
-        warm_cache) step warm_cache "$python" tools/warm_cache.py ;;
-        pytest) step pytest "$python" -m pytest -q -rs tests ;;
-        long_sequence) step long_sequence "$python" -m pytest -q -s tests/test_backward.py -k long_sequence ;;
-        sanitize) step sanitize bash tools/sanitize.sh "$out/sanitize_logs" ;;
-        float32_accuracy) step float32_accuracy "$python" bench/float32_accuracy.py ;;
-        train_example) step train_example "$python" examples/train_attention.py ;;
-        host_overhead) step host_overhead "$python" bench/host_overhead.py ;;
-        grid) step grid "$python" bench/bench_attention.py --out "$out/grid" ;;
-        model_shapes) step model_shapes "$python" bench/model_shapes.py --out "$out/model_shapes" ;;
-        decode) step decode "$python" bench/decode.py --out "$out/decode" ;;
-    esac
+    step "$name" "run_$name"
 done
 
 cat "$out/steps.txt"
