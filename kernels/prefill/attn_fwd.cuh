@@ -17,12 +17,13 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
 }
 
 // Writes a warp's rows of out (acc, already divided by l) and lse for the block of
-// query rows from m0 of w's sequence. Rows past the sequence and columns past dv are
-// not written (CHECK_COLS: some columns of the tile are past dv); lse comes from the
+// query rows from m0 of w's sequence. Rows from m_end on (past the sequence, or the next
+// tile's) and columns past dv are not written (CHECK_COLS: some columns of the tile are past dv); lse comes from the
 // first column block. SATFINITE: saturate in the conversion (Store::pair_satfinite, sm_90a).
 template <bool CHECK_COLS, bool SATFINITE, class T, int M_TILES, int D_TILES>
-__device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, int m0, int col0, int warp_row0,
-                                           const float (&acc)[M_TILES][D_TILES][4], const float (&lse)[M_TILES][2]) {
+__device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, int m0, int m_end, int col0,
+                                           int warp_row0, const float (&acc)[M_TILES][D_TILES][4],
+                                           const float (&lse)[M_TILES][2]) {
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const int dv = int(p.dv) - col0;
     const index_t row0 = index_t(w.entry) * p.nq + w.q0 + m0;
@@ -33,7 +34,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, i
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = warp_row0 + mt * 16 + g + 8 * h;
-            if (m0 + row >= w.nq) continue;
+            if (m0 + row >= m_end) continue;
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt) {
                 const int col = dt * 8 + 2 * t;
@@ -56,12 +57,13 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, i
 // limit, where the second copy of the loop changed its registers (and its forwards ran 5 %
 // slower in the grid; bench/NOTES.md v13). SATFINITE as in store_rows.
 template <class T, bool SATFINITE = false, int M_TILES, int D_TILES>
-__device__ __forceinline__ void store_output(const AttnParams& p, const Work& w, int m0, int col0, int warp_row0,
-                                             const float (&acc)[M_TILES][D_TILES][4], const float (&lse)[M_TILES][2]) {
+__device__ __forceinline__ void store_output(const AttnParams& p, const Work& w, int m0, int m_end, int col0,
+                                             int warp_row0, const float (&acc)[M_TILES][D_TILES][4],
+                                             const float (&lse)[M_TILES][2]) {
     if (D_TILES <= 16 && int(p.dv) - col0 >= D_TILES * 8) {
-        store_rows<false, SATFINITE, T>(p, w, m0, col0, warp_row0, acc, lse);
+        store_rows<false, SATFINITE, T>(p, w, m0, m_end, col0, warp_row0, acc, lse);
     } else {
-        store_rows<true, SATFINITE, T>(p, w, m0, col0, warp_row0, acc, lse);
+        store_rows<true, SATFINITE, T>(p, w, m0, m_end, col0, warp_row0, acc, lse);
     }
 }
 
@@ -151,7 +153,7 @@ attn_fwd(const AttnParams p) {
 
     float lse[M_TILES][2];
     softmax.finish(acc, lse, scale_log2);
-    store_output<T>(p, w, m0, col0, warp_row0, acc, lse);
+    store_output<T>(p, w, m0, nq, col0, warp_row0, acc, lse);
 }
 
 }  // namespace cuflash

@@ -14,7 +14,8 @@
 // and a warp whose rows kept their maxima skips the accumulator's rescale. The
 // block is persistent: it runs tiles in turn, drawing each next one from the launch's
 // counter (tile_queue.cuh), so the loads of the next tile run under the products and
-// the stores of this one, and the blocks finish together under a causal mask.
+// the stores of this one, and the blocks finish together under a causal mask. Where the
+// tile's rows do not divide the sequence, the short tile is its first (FwdTile's PARTIAL_FIRST).
 //
 // The loads go one of two ways (TMA). With tensor maps, one thread of the loading
 // warpgroup issues each buffer's copies to the copy engine, a box of 64 columns per
@@ -101,7 +102,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
-    using Tile = FwdTile<Cfg, true>;
+    using Tile = FwdTile<Cfg, true, true>;   // (the short tile first)
     using Slot = RingSlot<STAGES>;
     using QSlot = RingSlot<Q_BUFFERS>;
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
@@ -306,7 +307,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         }
         float lse[1][2];
         softmax.template finish<true>(acc, lse, scale_log2);
-        store_output<T, true>(p, t.w, t.m0, 0, warp_row0, acc, lse);
+        store_output<T, true>(p, t.w, t.m0, t.m_end, 0, warp_row0, acc, lse);
     }
 }
 
