@@ -117,6 +117,7 @@ def main(argv=None):
                 if line.startswith(CHILD_MARK):
                     *cell, ratio = json.loads(line[len(CHILD_MARK):])
                     readings[name].setdefault(tuple(cell), []).append(ratio)
+                    print(f"{name} {line}", file=sys.stderr)   # (kept should a later process not finish)
             print(f"process {p + 1} of {args.processes}, {name} tree: done", file=sys.stderr, flush=True)
     print(f"old: {args.old}  new: {args.new}  ({args.processes} processes each, {args.rounds} rounds)")
     print("| dtype | D | N | causal | dir | old / cuDNN | new / cuDNN | new / old |")

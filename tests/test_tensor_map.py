@@ -363,6 +363,46 @@ def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, bloc
     assert_lse_close(cupy.asnumpy(lse), r_lse)
 
 
+# (d, block_n, q_buffers, consumers, loader): the loading-warpgroup forward's shapes, each block
+# running tiles in turn
+TURN_VARIANTS = [(128, 128, 2, 2, "tma"), (128, 176, 1, 2, "tma"), (64, 128, 2, 2, "tma"),
+                 (128, 128, 2, 2, "cp.async"), (64, 128, 2, 3, "tma")]
+
+
+@pytest.mark.parametrize("d, block_n, q_buffers, consumers, loader", TURN_VARIANTS)
+def test_blocks_running_tiles_in_turn_past_tiles_without_keys(monkeypatch, d, block_n, q_buffers, consumers,
+                                                               loader):
+    """A block runs tile after tile, some of them tiles whose rows see no key (1300 queries
+    against 400 keys under a causal mask: the first 900 rows), between and after tiles with
+    keys. Every row matches the reference, the keyless ones with out exactly 0 and lse
+    exactly -inf."""
+    sm90_or_skip()
+    import cupy
+    from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
+
+    import cuflash
+    from cuflash import _dispatch, _plans, _tiles, naive, reference
+
+    tiles = _tiles.Sm90WsFwdTiles(d, block_n, 2, q_buffers=q_buffers, consumers=consumers)
+    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles)
+    if loader == "cp.async":
+        monkeypatch.setattr(_tensor_map, "attention_maps", lambda *args: None)
+    _plans.clear()
+    try:
+        rng = np.random.default_rng(d + block_n + consumers)
+        q, k, v = (random_array(rng, (4, 8, n, d), "float16") for n in (1300, 400, 400))
+        with poisoned_allocations():
+            out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    finally:
+        _plans.clear()
+    out, lse = cupy.asnumpy(out), cupy.asnumpy(lse)
+    assert np.all(out[:, :, :900] == 0) and np.all(lse[:, :, :900] == -np.inf)
+    n_out, _ = naive.attention(q, k, v, causal=True, return_lse=True)
+    r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=True, return_lse=True)
+    assert_close_to_reference("out", out, cupy.asnumpy(n_out), r_out, "float16", c=2)
+    assert_lse_close(lse, r_lse)
+
+
 # (causal, window, keys, the key block picked)
 D128_DEFAULTS = [(True, None, 8300, 176), (True, None, 8000, 128), (False, None, 2100, 176), (False, None, 2000, 128),
                  (False, (4000, 100), 8300, 128)]
