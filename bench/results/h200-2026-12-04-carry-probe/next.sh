@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The next probe call (bench/NOTES.md v31, Next 1), written after this session's device time was
-# spent, not yet run: the output's rescale moved under the next block's scores
+# The next probe call (bench/NOTES.md v31, Next 1), not yet run: the output's rescale moved under
+# the next block's scores
 # (next_rescale_under_scores.patch; every loading-warpgroup forward compiles with it for sm_90a
 # under --werror, no spills, no serialization advisory).
 # Before the call, on the machine without a GPU:
