@@ -162,3 +162,25 @@ def test_device_check_refuses_an_unknown_step_before_running_any(tmp_path):
     assert done.returncode == 2
     assert "no step named gird" in done.stderr
     assert not (tmp_path / "out" / "steps.txt").exists() and not (tmp_path / "out" / "warm_cache.txt").exists()
+
+
+def test_device_check_packs_its_outputs_into_one_archive(tmp_path):
+    """With PACK=1, tools/device_check.sh leaves OUTDIR.tar.gz with every step's log and the
+    results, and only steps.txt in OUTDIR (the cli step runs without a GPU too)."""
+    import tarfile
+
+    script = ROOT / "tools" / "device_check.sh"
+    if not script.is_file():
+        pytest.skip("tools/device_check.sh is not beside the tests (they run outside a source checkout)")
+    out = tmp_path / "rec"
+    env = dict(os.environ, PACK="1", PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(script), str(out), "cli"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["steps.txt"]
+    assert "cli: exit 0" in (out / "steps.txt").read_text()
+    with tarfile.open(tmp_path / "rec.tar.gz") as archive:
+        names = archive.getnames()
+        log = archive.extractfile("rec/cli.txt").read().decode()
+    assert {"rec/steps.txt", "rec/cli.txt"} <= set(names)
+    assert "max |tiled - reference|" in log

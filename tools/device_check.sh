@@ -11,10 +11,12 @@
 # train_example host_overhead) and add the benchmarks: grid (bench/bench_attention.py),
 # model_shapes, decode (each into OUTDIR/NAME/). A run of record on a device call's time:
 #
-#   SANITIZE_TOOLS="memcheck synccheck" bash tools/device_check.sh OUT warm_cache pytest grid model_shapes sanitize
+#   PACK=1 SANITIZE_TOOLS="memcheck synccheck" bash tools/device_check.sh OUT warm_cache pytest grid model_shapes sanitize
 #
 # One log per step in OUTDIR (NAME.txt), a line per step in OUTDIR/steps.txt as each ends; a
-# summary of each step is printed last.
+# summary of each step is printed last. With PACK=1 the whole of OUTDIR then goes into one
+# archive beside it, OUTDIR.tar.gz, and only steps.txt stays in OUTDIR: two files to bring back
+# from a machine that returns only a few.
 set -u -o pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -82,3 +84,9 @@ summary host_overhead tail -n 8
 summary grid tail -n 3
 summary model_shapes tail -n 4
 summary decode tail -n 3
+
+if [ "${PACK:-0}" = 1 ]; then
+    tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" &&
+        find "$out" -mindepth 1 ! -name steps.txt -delete
+    echo "packed: $out.tar.gz"
+fi
