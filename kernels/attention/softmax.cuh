@@ -33,7 +33,9 @@ __device__ __forceinline__ bool masked_p_vanish(double scale_log2) {
 // row's earlier sums are brought over with it too (alpha below); it only shifts p by
 // 2^-delta, |delta| <= 1/32 while |c| < 2^20. Past that (logits of millions)
 // the warp takes the exact form for the block, whose delta is 0.
-template <class T, int M_TILES>
+// CHAINS: the independent chains in which a thread reduces its share of a row (below); more
+// hide the latency of each max and add, at a register apiece.
+template <class T, int M_TILES, int CHAINS = 1>
 struct OnlineSoftmax {
     static constexpr float P_SHIFT = float(T::P_SHIFT);
     float m[M_TILES][2];
@@ -79,13 +81,11 @@ struct OnlineSoftmax {
         if constexpr (ROUNDED_BASE) {
             constexpr float LIMIT = 1048576.f;   // 2^20
             bool fits = true;
+            new_maxima<MASKED>(s, scale_log2, m_new);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    m_new[mt][h] = new_max<MASKED>(s, mt, h, scale_log2);
-                    fits &= fabsf(fmaf(base_of(m_new[mt][h]), scale_log2, P_SHIFT)) < LIMIT;
-                }
+                for (int h = 0; h < 2; ++h) fits &= fabsf(fmaf(base_of(m_new[mt][h]), scale_log2, P_SHIFT)) < LIMIT;
             rounded = __all_sync(0xffffffffu, fits);
         }
 #pragma unroll
@@ -119,20 +119,63 @@ struct OnlineSoftmax {
     template <bool MASKED, bool ROUNDED, class Score, int N_TILES>
     __device__ __forceinline__ float exponentiate(Score (&s)[M_TILES][N_TILES][4], int mt, int h, float base, float c,
                                                   float scale_log2) const {
-        float sum = 0.f;
+        constexpr int K = chains(N_TILES);
+        float sum[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) sum[k] = 0.f;
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                const Score x = s[mt][nt][e];
+            for (int e = 0; e < 2; ++e) {
+                const Score x = s[mt][nt][2 * h + e];
                 const float exp = ROUNDED ? fmaf(float(x), scale_log2, -c)
                                           : exponent<T::P_SHIFT>(float(x - base), scale_log2);
                 const float p = exp2_p<T>(exp);
                 const float kept = MASKED && x == -CUFLASH_INF ? 0.f : p;
-                s[mt][nt][e] = kept;
-                sum += kept;
+                s[mt][nt][2 * h + e] = kept;
+                sum[(2 * nt + e) % K] += kept;
             }
-        return sum;
+        return fold<K>(sum, [](float a, float b) { return a + b; });
+    }
+
+    // Reductions over a thread's share of a row run in CHAINS independent chains, joined at
+    // the end: a single chain of 2 * N_TILES maxima or sums waits out each operation's
+    // latency, and during a block's softmax each scheduler has only a warp or two to switch to.
+    __host__ __device__ static constexpr int chains(int n_tiles) { return 2 * n_tiles < CHAINS ? 2 * n_tiles : CHAINS; }
+
+    // x[0] op x[1] op ... op x[K - 1], pairwise
+    template <int K, class Op>
+    __device__ __forceinline__ static float fold(float (&x)[K], Op op) {
+#pragma unroll
+        for (int w = 1; w < K; w *= 2)
+#pragma unroll
+            for (int k = 0; k + w < K; k += 2 * w) x[k] = op(x[k], x[k + w]);
+        return x[0];
+    }
+
+    // The thread's share of row (mt, h)'s extreme: its largest score (LARGEST), or its smallest
+    // with masked scores left out.
+    template <bool MASKED, bool LARGEST, class Score, int N_TILES>
+    __device__ __forceinline__ static float thread_top(const Score (&s)[M_TILES][N_TILES][4], int mt, int h) {
+        constexpr int K = chains(N_TILES);
+        float top[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) top[k] = LARGEST ? -CUFLASH_INF : CUFLASH_INF;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float x = float(s[mt][nt][2 * h + e]);
+                float& t = top[(2 * nt + e) % K];
+                t = LARGEST ? fmaxf(t, x) : fminf(t, MASKED && x == -CUFLASH_INF ? CUFLASH_INF : x);
+            }
+        return fold<K>(top, [](float a, float b) { return LARGEST ? fmaxf(a, b) : fminf(a, b); });
+    }
+
+    // m from the row's old m and its new top (taken across the quad)
+    template <bool LARGEST>
+    __device__ __forceinline__ static float moved_max(float m_old, float top) {
+        return LARGEST ? fmaxf(m_old, top) : m_old == -CUFLASH_INF ? top : fminf(m_old, top);
     }
 
     // The row's new m: the largest scaled score so far (the max, or for a negative scale the
@@ -140,28 +183,42 @@ struct OnlineSoftmax {
     template <bool MASKED, class Score, int N_TILES>
     __device__ __forceinline__ float new_max(const Score (&s)[M_TILES][N_TILES][4], int mt, int h,
                                              float scale_log2) const {
-        const float m_old = m[mt][h];
-        float m_new;
-        if (scale_log2 >= 0.f) {
-            float top = -CUFLASH_INF;
+        return scale_log2 >= 0.f ? moved_max<true>(m[mt][h], quad_max(thread_top<MASKED, true>(s, mt, h)))
+                                 : moved_max<false>(m[mt][h], quad_min(thread_top<MASKED, false>(s, mt, h)));
+    }
+
+    // new_max of every row at once, each step of the quad's exchange taken for all rows together
+    template <bool MASKED, class Score, int N_TILES>
+    __device__ __forceinline__ void new_maxima(const Score (&s)[M_TILES][N_TILES][4], float scale_log2,
+                                               float (&m_new)[M_TILES][2]) const {
+        if (scale_log2 >= 0.f) rows_max<MASKED, true>(s, m_new);
+        else rows_max<MASKED, false>(s, m_new);
+    }
+
+    template <bool MASKED, bool LARGEST, class Score, int N_TILES>
+    __device__ __forceinline__ void rows_max(const Score (&s)[M_TILES][N_TILES][4], float (&m_new)[M_TILES][2]) const {
+        float top[M_TILES][2];
 #pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
+        for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                for (int e = 2 * h; e < 2 * h + 2; ++e) top = fmaxf(top, float(s[mt][nt][e]));
-            m_new = fmaxf(m_old, quad_max(top));
-        } else {
-            float top = CUFLASH_INF;
+            for (int h = 0; h < 2; ++h) top[mt][h] = thread_top<MASKED, LARGEST>(s, mt, h);
 #pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
+        for (int lanes = 1; lanes <= 2; lanes *= 2) {
+            float other[M_TILES][2];
 #pragma unroll
-                for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                    const float x = float(s[mt][nt][e]);
-                    top = fminf(top, MASKED && x == -CUFLASH_INF ? CUFLASH_INF : x);
-                }
-            top = quad_min(top);
-            m_new = m_old == -CUFLASH_INF ? top : fminf(m_old, top);
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) other[mt][h] = __shfl_xor_sync(0xffffffffu, top[mt][h], lanes);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    top[mt][h] = LARGEST ? fmaxf(top[mt][h], other[mt][h]) : fminf(top[mt][h], other[mt][h]);
         }
-        return m_new;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) m_new[mt][h] = moved_max<LARGEST>(m[mt][h], top[mt][h]);
     }
 
     template <int D_TILES>

@@ -120,6 +120,11 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 2
     static constexpr int STAGES = STAGES_;
     static constexpr int Q_BUFFERS = Q_BUFFERS_;
     static constexpr int BLOCK_M = 64 * CONSUMERS;
+    // a row's maxima and sums in four chains: a computing warp's softmax runs while the other
+    // warpgroup's products do, with no other warp of its own to hide each step's latency
+    // (1.00-1.10x one chain at head dims 64 and 128; at 256, 0.95-1.04x: one there;
+    // bench/NOTES.md v32)
+    static constexpr int SOFTMAX_CHAINS = HEAD_DIM_ == 256 ? 1 : 4;
 
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;

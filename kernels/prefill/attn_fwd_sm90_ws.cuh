@@ -250,7 +250,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         if (index >= num_tiles || !p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
         const Tile t(p, w);
         fill_zero(acc);
-        OnlineSoftmax<T, 1> softmax(p.scale_log2);
+        OnlineSoftmax<T, 1, Cfg::SOFTMAX_CHAINS> softmax(p.scale_log2);
         const int steps = t.nb_end - t.nb_begin;
         if (steps > 0) {
             const QSlot qs(q_uses);
