@@ -183,4 +183,4 @@ def test_device_check_packs_its_outputs_into_one_archive(tmp_path):
         names = archive.getnames()
         log = archive.extractfile("rec/cli.txt").read().decode()
     assert {"rec/steps.txt", "rec/cli.txt"} <= set(names)
-    assert "max |tiled - reference|" in log
+    assert "problem: q, k, v of shape" in log   # printed by the GPU run and by the NumPy one
