@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next probe call (bench/NOTES.md v31, Next 1), not yet run: the output's rescale moved under
+# A probe call (bench/NOTES.md v31 Next 1; run in v32, refuted, its outputs in 3-rescale/): the output's rescale moved under
 # the next block's scores
 # (next_rescale_under_scores.patch; every loading-warpgroup forward compiles with it for sm_90a
 # under --werror, no spills, no serialization advisory).
