@@ -1,3 +1,4 @@
+# (run with .probe/ holding ../h200-2026-12-04-1219fab/probes/pncu.py as pncu.py)
 export PYTHONPATH=$PWD
 S="--section SourceCounters --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis --section SpeedOfLight --import-source yes"
 timeout 200 ncu --clock-control none $S -k regex:attn_fwd_sm90_ws --launch-skip 2 --launch-count 1 -o $OUT/cuflash python3 .probe/pncu.py cuflash 2048 128 > $OUT/ncu_cuflash.log 2>&1; echo ncu1 $?

@@ -1,3 +1,4 @@
+# (run with .probe/ holding ../h200-2026-12-04-1219fab/probes/pncu.py as pncu.py)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$SECONDS
 timeout 150 python3 bench/ab_trees.py .probe/old --dtype float16 bfloat16 --head-dims 128 256 64 \
