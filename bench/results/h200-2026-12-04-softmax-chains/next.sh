@@ -11,7 +11,6 @@
 #     patch -s -p1 -d .probe/e$n < bench/results/h200-2026-12-04-softmax-chains/next_exp2_fma.patch
 #     sed -i "s/^#define CUFLASH_PROBE_EXP2_FMA_EVERY 0/#define CUFLASH_PROBE_EXP2_FMA_EVERY $n/" \
 #       .probe/e$n/kernels/attention/tile_config.cuh; done
-#   cp bench/results/h200-2026-12-04-softmax-chains/pncu_bwd.py .probe/
 # then run this with .probe carried.
 export PYTHONUNBUFFERED=1
 for n in 8 4; do
@@ -27,13 +26,13 @@ start=$SECONDS
     -k "not million and not 2_20 and not 2_31 and not 65535" > $OUT/pytest_e4.txt 2>&1)
 echo "pytest e4 rc=$? $((SECONDS-start)) s" >> $OUT/steps.txt
 # the backward's head-dim-64 dK/dV pass and cuDNN's backward, per-instruction stall samples
-# (bench/NOTES.md v32 Next 3; .probe/pncu_bwd.py is this folder's pncu_bwd.py)
+# (bench/NOTES.md v32 Next 3)
 start=$SECONDS
 S="--section SourceCounters --section WarpStateStats --section InstructionStats --section SpeedOfLight"
 PYTHONPATH=$PWD timeout 60 ncu --clock-control none $S -k regex:attn_bwd_dkdv --launch-skip 2 --launch-count 1 \
-    -o $OUT/bwd_cuflash python3 .probe/pncu_bwd.py cuflash 4096 64 > $OUT/ncu_bwd_cuflash.log 2>&1
+    -o $OUT/bwd_cuflash python3 bench/profile_case.py --seqlen 4096 --head-dim 64 > $OUT/ncu_bwd_cuflash.log 2>&1
 PYTHONPATH=$PWD timeout 90 ncu --clock-control none $S -k "regex:bprop|dgrad" --launch-skip 2 --launch-count 1 \
-    -o $OUT/bwd_cudnn python3 .probe/pncu_bwd.py cudnn 4096 64 > $OUT/ncu_bwd_cudnn.log 2>&1
+    -o $OUT/bwd_cudnn python3 bench/profile_case.py --seqlen 4096 --head-dim 64 --impl torch-cudnn > $OUT/ncu_bwd_cudnn.log 2>&1
 for w in cuflash cudnn; do
     ncu -i $OUT/bwd_$w.ncu-rep --page source --csv --print-source sass > $OUT/bwd_${w}_sass.csv 2>&1
     ncu -i $OUT/bwd_$w.ncu-rep --page details --print-details all > $OUT/bwd_${w}_details.txt 2>&1
