@@ -4,6 +4,8 @@ computed in NumPy and against the same tile loaded by cp.async (kernels/arch/tma
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from conftest import GPU_MISSING, random_array
@@ -312,6 +314,22 @@ def test_the_loading_warpgroup_forward_through_maps(name, dtype, d, causal):
     assert bool((again == out).all())   # deterministic, through the kept maps
 
 
+@contextlib.contextmanager
+def forced_ws_tiles(monkeypatch, tiles, loader):
+    """Forwards inside run the loading-warpgroup kernel on `tiles`, loading through tensor maps
+    ("tma") or by cp.async; the launch plans made with them are dropped on the way out."""
+    from cuflash import _dispatch, _plans
+
+    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles)
+    if loader == "cp.async":
+        monkeypatch.setattr(_tensor_map, "attention_maps", lambda *args: None)
+    _plans.clear()
+    try:
+        yield
+    finally:
+        _plans.clear()
+
+
 # (d, block_n, stages, q_buffers, pingpong, computing warpgroups, loader)
 WS_VARIANTS = [(d, block_n, 2, q_buffers, pingpong, 2, loader)
                for d, block_n, q_buffers in ((64, 128, 2), (128, 128, 2), (256, 64, 1), (200, 64, 1))
@@ -338,15 +356,11 @@ def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, bloc
     from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
 
     import cuflash
-    from cuflash import _dispatch, _plans, _tiles, naive, reference
+    from cuflash import _plans, _tiles, naive, reference
 
     tiles = _tiles.Sm90WsFwdTiles(_tiles.head_dim_bucket(d, d), block_n, stages, pingpong=pingpong,
                                   q_buffers=q_buffers, consumers=consumers)
-    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles)
-    if loader == "cp.async":
-        monkeypatch.setattr(_tensor_map, "attention_maps", lambda *args: None)
-    _plans.clear()
-    try:
+    with forced_ws_tiles(monkeypatch, tiles, loader):
         rng = np.random.default_rng(d + 7 * pingpong + 3 * stages + causal)
         nq = 700 if consumers == 2 else 1000   # 192 tiles either way: blocks run two in turn
         q, k, v = (random_array(rng, (4, 8, n, d), "bfloat16") for n in (nq, 650, 650))
@@ -355,8 +369,6 @@ def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, bloc
             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
         (main,) = [r for r in _plans.forward(q, k, v, causal, None, None)[0].launches.runs if hasattr(r, "maps")]
         assert (main.maps is not None) == (loader == "tma")
-    finally:
-        _plans.clear()
     n_out, _ = naive.attention(q, k, v, causal=causal, return_lse=True)
     r_out, r_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, return_lse=True)
     assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n_out), r_out, "bfloat16", c=2)
@@ -381,20 +393,14 @@ def test_blocks_running_tiles_in_turn_past_tiles_without_keys(monkeypatch, d, bl
     from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
 
     import cuflash
-    from cuflash import _dispatch, _plans, _tiles, naive, reference
+    from cuflash import _tiles, naive, reference
 
     tiles = _tiles.Sm90WsFwdTiles(d, block_n, 2, q_buffers=q_buffers, consumers=consumers)
-    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles)
-    if loader == "cp.async":
-        monkeypatch.setattr(_tensor_map, "attention_maps", lambda *args: None)
-    _plans.clear()
-    try:
+    with forced_ws_tiles(monkeypatch, tiles, loader):
         rng = np.random.default_rng(d + block_n + consumers)
         q, k, v = (random_array(rng, (4, 8, n, d), "float16") for n in (1300, 400, 400))
         with poisoned_allocations():
             out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-    finally:
-        _plans.clear()
     out, lse = cupy.asnumpy(out), cupy.asnumpy(lse)
     assert np.all(out[:, :, :900] == 0) and np.all(lse[:, :, :900] == -np.inf)
     n_out, _ = naive.attention(q, k, v, causal=True, return_lse=True)
