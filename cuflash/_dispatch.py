@@ -284,6 +284,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
     ks, vs = x.k_strides, x.v_strides
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
     vn = (0, 0, 0) if x.v_new is None else tuple(st // itemsize for st in x.v_new.strides[:3])
+    scale_log2, scale_log2_lo = _params.scale_log2_parts(x.scale)
     params = _params.decode_params(
         q_stride_b=x.q.strides[0] // itemsize, q_stride_e=x.q.strides[1] // itemsize, q_stride_row=x.q.strides[2] // itemsize,
         k_stride_b=ks[0], k_stride_e=ks[1], k_stride_row=ks[2], v_stride_b=vs[0], v_stride_e=vs[1], v_stride_row=vs[2],
@@ -293,7 +294,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
         page_div=_params.fast_divisor(x.page_size), num_pages=x.num_pages,
         max_pages=0 if x.block_table is None else x.block_table.shape[1],
         window_left=left, window_right=right,
-        scale_log2=x.scale * math.log2(math.e), splits=splits, split_keys=split_keys,
+        scale_log2=scale_log2, scale_log2_lo=scale_log2_lo, splits=splits, split_keys=split_keys,
     )
     runs = []
     # (programmatic on Hopper: each kernel starts under the tail of the one before; bench/NOTES.md v24)

@@ -24,7 +24,7 @@ PARAMS_DTYPE = np.dtype(
         ("q_row_stride", np.int64), ("k_row_stride", np.int64), ("v_row_stride", np.int64),
         ("nq", np.int64), ("nk", np.int64), ("d", np.int64), ("dv", np.int64),
         ("window_left", np.int64), ("window_right", np.int64),
-        ("scale_log2", np.float64),
+        ("scale_log2", np.float32), ("scale_log2_lo", np.float32),
         ("num_m_blocks", np.int64),
         ("num_tiles", np.int64),
         ("batch_size", np.int64),
@@ -78,7 +78,7 @@ DECODE_PARAMS_DTYPE = np.dtype(
         "v_stride_b", "v_stride_e", "v_stride_row", "kn_stride_b", "kn_stride_e", "kn_stride_row",
         "vn_stride_b", "vn_stride_e", "vn_stride_row", "batch", "entries", "rows", "nq", "d", "dv", "n_new",
         "seqlen_all", "capacity", "page_size", "page_div", "num_pages", "max_pages", "window_left", "window_right")]
-    + [("scale_log2", np.float64), ("splits", np.int64), ("split_keys", np.int64)]
+    + [("scale_log2", np.float32), ("scale_log2_lo", np.float32), ("splits", np.int64), ("split_keys", np.int64)]
 )
 
 
@@ -89,6 +89,15 @@ def decode_params(**fields) -> np.ndarray:
     if fields:
         raise TypeError(f"not fields of DecodeParams: {sorted(fields)}")
     return np.array([values], dtype=DECODE_PARAMS_DTYPE)
+
+
+def scale_log2_parts(scale: float) -> tuple[float, float]:
+    """scale * log2(e) rounded to float32, and the float32 nearest the rest: the kernels'
+    ``scale_log2`` and ``scale_log2_lo`` (float32 inputs multiply by both)."""
+    exact = scale * math.log2(math.e)
+    with np.errstate(over="ignore", invalid="ignore"):   # a scale past float32's range: inf, as the kernels had it
+        high = np.float32(exact)
+        return float(high), float(np.float32(exact - float(high)))
 
 
 def fast_divisor(d: int) -> int:
@@ -231,7 +240,7 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
         *x.row_strides,
         x.nq, x.nk, x.d, x.dv,
         left, right,
-        x.scale * math.log2(math.e),
+        *scale_log2_parts(x.scale),
         m_blocks, 0, layout.entries, group,
         layout.group_size, layout.group_inner, layout.q_group_stride,
         n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -109,8 +110,14 @@ def test_head_dim_bucket():
     assert _tiles.head_dim_bucket(64, 136) == 192
 
 
-def test_params_record_is_all_8_byte_fields():
-    assert all(_params.PARAMS_DTYPE.fields[f][0].base.itemsize == 8 for f in _params.PARAMS_DTYPE.names)
+@pytest.mark.parametrize("dtype", [_params.PARAMS_DTYPE, _params.BWD_PARAMS_DTYPE, _params.DECODE_PARAMS_DTYPE])
+def test_params_records_have_no_padding(dtype):
+    """As the kernels' structs (params.cuh): each field at a multiple of its element's
+    size, back to back, 8-byte fields or pairs of 4-byte ones."""
+    fields = [dtype.fields[f] for f in dtype.names]
+    assert sum(f[0].itemsize for f in fields) == dtype.itemsize
+    assert all(offset % f.base.itemsize == 0 for f, offset in fields)
+    assert all(f.base.itemsize in (4, 8) for f, _ in fields) and dtype.itemsize % 8 == 0
 
 
 def test_kernel_parameters_point_at_the_record():
@@ -277,7 +284,6 @@ def test_dkdv_layout_splits_groups_only_when_blocks_are_few():
 
 def test_decode_params_record_holds_every_field_in_order():
     names = _params.DECODE_PARAMS_DTYPE.names
-    assert all(_params.DECODE_PARAMS_DTYPE.fields[f][0].itemsize == 8 for f in names)
     assert names[:len(_params.DECODE_POINTERS)] == _params.DECODE_POINTERS
     values = {n: (0.25 if n == "scale_log2" else i + 1) for i, n in enumerate(names)}
     fields = {n: x for n, x in values.items() if n not in _params.DECODE_POINTERS}
@@ -291,6 +297,18 @@ def test_decode_params_record_holds_every_field_in_order():
         _params.decode_params(**fields, stray=1)
     with pytest.raises(KeyError):
         _params.decode_params(**{n: x for n, x in fields.items() if n != "splits"})
+
+
+@pytest.mark.parametrize("scale", [0.125, 1 / 3, 1 / math.sqrt(96), -0.7, 1e-30, 1e-45, 3e38])
+def test_the_scale_reaches_the_kernels_as_a_float_and_its_rest(scale):
+    """scale * log2(e) as float32 (what the 16-bit kernels multiply by) and the float32
+    nearest the rest (float32's second multiply): together within float32's rounding of the rest."""
+    exact = scale * math.log2(math.e)
+    high, low = _params.scale_log2_parts(scale)
+    with np.errstate(over="ignore", invalid="ignore"):   # 3e38: past float32, inf as the kernels had it
+        assert high == float(np.float32(exact)) and low == float(np.float32(exact - high))
+    if math.isfinite(high):
+        assert abs(exact - (high + low)) <= 2.0**-24 * abs(exact - high) + 1e-45
 
 
 def test_window_sides_reach_every_key_and_fit_an_int():

@@ -1,6 +1,6 @@
 // params.cuh: what the host passes to a kernel, by value.
 //
-// Every field is 8 bytes wide, so the layout has no padding; cuflash/_params.py
+// Every field is 8 bytes wide (or a pair of 4-byte ones), so the layout has no padding; cuflash/_params.py
 // builds the same record as a NumPy structured scalar, field for field, and
 // passes its size as CUFLASH_PARAMS_BYTES so a mismatch fails to compile.
 #pragma once
@@ -52,7 +52,10 @@ struct AttnParams {
     // off = nk - nq. Both are >= 0; "unbounded" arrives as the least that reaches every
     // key, left nk and right nq (_params.window_sides).
     index_t window_left, window_right;
-    double scale_log2;        // softmax scale * log2(e): exp2 replaces exp
+    // softmax scale * log2(e) (exp2 replaces exp) rounded to float, and the float nearest
+    // the rest, for float32's two-part multiply (common.cuh: SPLIT_SCALE). Split on the
+    // host: a conversion from double in the kernel is redone in loops short of registers.
+    float scale_log2, scale_log2_lo;
     index_t num_m_blocks;     // query blocks per batch entry
     index_t num_tiles;        // the forward's tiles: blocks of a smaller grid run several in turn
     index_t batch_size;       // entries of the broadcast batch

@@ -22,8 +22,8 @@ __device__ __forceinline__ bool is_inf(float x) { return fabsf(x) == CUFLASH_INF
 // is exp2(-inf) = 0 for a positive scale in one float. A masked block may then take the
 // unmasked probabilities (below), skipping a test and a select per score.
 template <class T>
-__device__ __forceinline__ bool masked_p_vanish(double scale_log2) {
-    return !T::SPLIT_SCALE && float(scale_log2) > 0.f;
+__device__ __forceinline__ bool masked_p_vanish(float scale_log2) {
+    return !T::SPLIT_SCALE && scale_log2 > 0.f;
 }
 
 // ROUNDED_BASE (probabilities' fast form, 16-bit types): a row's exponents are one FMA
@@ -41,10 +41,9 @@ struct OnlineSoftmax {
     float m[M_TILES][2];
     float l[M_TILES][2];
     float delta[M_TILES][2];   // c - (m * scale_log2 + P_SHIFT) of the row's sums (ROUNDED_BASE; else 0)
-    float scale_lo;   // scale_log2 - float(scale_log2), used where T::SPLIT_SCALE
+    float scale_lo;   // the scale's rest past its float (params.cuh: scale_log2_lo), used where T::SPLIT_SCALE
 
-    __device__ __forceinline__ explicit OnlineSoftmax(double scale_log2)
-        : scale_lo(float(scale_log2 - double(float(scale_log2)))) {
+    __device__ __forceinline__ explicit OnlineSoftmax(float scale_log2_lo) : scale_lo(scale_log2_lo) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll

@@ -41,7 +41,7 @@ struct DecodeParams {
     index_t capacity;          // keys a sequence can hold: Nmax, or max_pages * page_size
     index_t page_size, page_div, num_pages, max_pages;   // page_div: fast_div's constant for page_size
     index_t window_left, window_right;   // as AttnParams
-    double scale_log2;
+    float scale_log2, scale_log2_lo;     // as AttnParams
     index_t splits, split_keys;          // keys per split: a multiple of the key block
 
     // Keys already in sequence b's cache, as given (possibly out of range).
@@ -241,8 +241,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
 
     float acc[M_TILES][D_TILES][4];
     fill_zero(acc);
-    OnlineSoftmax<T, M_TILES> softmax(p.scale_log2);
-    const float scale_log2 = float(p.scale_log2);
+    OnlineSoftmax<T, M_TILES> softmax(p.scale_log2_lo);
+    const float scale_log2 = p.scale_log2;
 
     if (nb_begin < nb_end) {
         load_rows_async<QTile, THREADS, Storage>(

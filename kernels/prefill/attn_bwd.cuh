@@ -149,14 +149,16 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, const Wor
     const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
     const index_t width = dv ? p.dv : p.d;
     Storage* g = static_cast<Storage*>(dv ? p.dv_grad : p.dk) + key_row * width;
-    store_rows<T>(g, acc, dv ? 1.f : float(p.scale_log2) / LOG2E, warp_row0, w.nk - n0, col0, int(width));
+    store_rows<T>(g, acc, dv ? 1.f : p.scale_log2 / LOG2E, warp_row0, w.nk - n0, col0, int(width));
 }
 
 // dk and dv for RESIDENT keys of one sequence of one batch entry (one K/V entry
 // when grouped), over the query blocks that see them.
 // Each warp owns 16 keys and works on transposed score tiles (rows = keys).
+// Two blocks an SM: at head dim 32, left to itself, ptxas aims at three (168 registers) and
+// spills the packed kernel's; the wider head dims need more than 168 anyway.
 template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS, bool PACKED>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 2)
 attn_bwd_dkdv(const BwdParams p) {
     using Cfg = BwdConfig<T, HEAD_DIM, DCOL, STEP, WARPS>;
     using Storage = typename Cfg::Storage;
@@ -207,7 +209,7 @@ attn_bwd_dkdv(const BwdParams p) {
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
     fill_zero(acc_dk);
     fill_zero(acc_dv);
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
 
     if (steps.count) {
         const index_t key0 = w.k0 + n0;
@@ -263,7 +265,7 @@ attn_bwd_dkdv(const BwdParams p) {
         __syncthreads();
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
+    const float scale = p.scale_log2 / LOG2E;
     const index_t key_row = index_t(w.entry) * p.nk + w.k0 + n0;
     Storage* g_dk = static_cast<Storage*>(p.dk) + key_row * p.d;
     Storage* g_dv = static_cast<Storage*>(p.dv_grad) + key_row * p.dv;
@@ -328,7 +330,7 @@ attn_bwd_dq(const BwdParams p) {
 
     float acc_dq[1][D_TILES][4];
     fill_zero(acc_dq);
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
 
     if (nb_begin < nb_end) {
         const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride;
@@ -372,7 +374,7 @@ attn_bwd_dq(const BwdParams p) {
         __syncthreads();
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
+    const float scale = p.scale_log2 / LOG2E;
     Storage* g_dq = static_cast<Storage*>(p.dq) + row0() * p.d;
     store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, col0, d);
 }

@@ -182,7 +182,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
     fill_zero(acc_dk);
     fill_zero(acc_dv);
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
     const u32 panel0 = u32(col0 / 64);   // first gradient column's panel in the step tiles
 
     if (steps.count) {
@@ -346,7 +346,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
 
     float acc[1][D_TILES][4];   // dv in warpgroup 0, dk in warpgroup 1
     fill_zero(acc);
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
 
     if (steps.count) {
         const index_t key0 = w.k0 + n0;
@@ -502,7 +502,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
 
     float acc_dq[1][D_TILES][4];
     fill_zero(acc_dq);
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
     const u32 panel0 = u32(col0 / 64);
 
     if (nb_begin < nb_end) {
@@ -584,7 +584,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
         pin_registers(acc_dq);
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
+    const float scale = p.scale_log2 / LOG2E;
     Storage* g_dq = static_cast<Storage*>(p.dq) + row0 * p.d;
     store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, col0, d);
 }

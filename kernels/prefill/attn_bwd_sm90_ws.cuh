@@ -149,7 +149,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
     const int group_row0 = consumer * 64;                                  // this warpgroup's keys
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
     fill_zero(acc_dk);
@@ -235,7 +235,7 @@ attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
     const int consumer = int(threadIdx.x) / 128 - 1;   // 0: p^T and dv; 1: dp^T and dk
     const int rank = threadIdx.x % 128, warp_row0 = (rank / 32) * 16, t = threadIdx.x % 4;
     float* exchange = reinterpret_cast<float*>(smem + (buf.end() - smem_address(smem)));
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
 
     float acc[1][D_TILES][4];   // dv in the first computing warpgroup, dk in the second
     fill_zero(acc);
@@ -364,7 +364,7 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
     const int group_row0 = consumer * 64;                                  // this warpgroup's queries
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
     const int g = (threadIdx.x % 32) / 4;
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
 
     // lse2 and delta of the two rows each thread owns, while the first steps load; every
     // row gets its delta, also one that sees no key (the dk/dv pass multiplies it by p = 0)
@@ -409,7 +409,7 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
         mbarrier_arrive(ring.empty(slot.stage));   // this warpgroup's last read of the stage is done
     }
 
-    const float scale = float(p.scale_log2) / LOG2E;
+    const float scale = p.scale_log2 / LOG2E;
     Storage* g_dq = static_cast<Storage*>(p.dq) + row0 * p.d;
     store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, 0, d);
 }

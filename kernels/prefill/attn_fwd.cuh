@@ -116,8 +116,8 @@ attn_fwd(const AttnParams p) {
 
     float acc[M_TILES][D_TILES][4];
     fill_zero(acc);
-    OnlineSoftmax<T, M_TILES> softmax(p.scale_log2);
-    const float scale_log2 = float(p.scale_log2);
+    OnlineSoftmax<T, M_TILES> softmax(p.scale_log2_lo);
+    const float scale_log2 = p.scale_log2;
 
     if (nb_begin < nb_end) {
         load_tile_async<QTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);

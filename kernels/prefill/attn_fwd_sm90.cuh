@@ -106,7 +106,7 @@ attn_fwd_sm90(const AttnParams p) {
         cp_async_commit();
     };
 
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
     const bool vanish = masked_p_vanish<T>(p.scale_log2);   // masked blocks may skip the test
     u32 pa[N_TILES / 2][4];   // p of the previous block, as wgmma A fragments
     float acc[1][D_TILES][4];
@@ -116,7 +116,7 @@ attn_fwd_sm90(const AttnParams p) {
         for (int i = 1 - STAGES; i < 0; ++i) load_step(i);
     }
     fill_zero(acc);
-    OnlineSoftmax<T, 1> softmax(p.scale_log2);
+    OnlineSoftmax<T, 1> softmax(p.scale_log2_lo);
 
     // acc += p v for the block whose V sits in `stage`; not waited for.
     auto issue_pv = [&](int stage) {

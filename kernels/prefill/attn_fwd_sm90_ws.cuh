@@ -215,7 +215,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     const int consumer = int(threadIdx.x) / 128 - 1;                    // 0 .. CONSUMERS - 1
     const int group_row0 = consumer * 64;                               // this warpgroup's rows
     const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's rows
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
     const bool vanish = masked_p_vanish<T>(p.scale_log2);   // masked blocks may skip the test
     u32 pa[N_TILES / 2][4];   // p of the previous block, as wgmma A fragments
     float acc[1][D_TILES][4];
@@ -250,7 +250,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         if (index >= num_tiles || !p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
         const Tile t(p, w);
         fill_zero(acc);
-        OnlineSoftmax<T, 1, Cfg::SOFTMAX_CHAINS> softmax(p.scale_log2);
+        OnlineSoftmax<T, 1, Cfg::SOFTMAX_CHAINS> softmax(p.scale_log2_lo);
         const int steps = t.nb_end - t.nb_begin;
         if (steps > 0) {
             const QSlot qs(q_uses);
