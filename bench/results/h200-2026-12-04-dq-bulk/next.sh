@@ -17,9 +17,11 @@ start=$SECONDS
 timeout 150 python3 -m pytest -q -x -p probe_opts tests/test_backward.py -k "not_deterministic or loading_warpgroup" > $OUT/pytest.txt 2>&1
 echo "pytest rc=$? $((SECONDS-start)) s" >> $OUT/steps.txt
 start=$SECONDS
-timeout 200 python3 $R/p59.py > $OUT/p59.txt 2>&1; echo "p59 rc=$? $((SECONDS-start)) s" >> $OUT/steps.txt
+timeout 70 python3 $R/p59.py check > $OUT/check.txt 2>&1; echo "check rc=$? $((SECONDS-start)) s" >> $OUT/steps.txt
+start=$SECONDS
+timeout 200 python3 $R/p59.py speed float16 > $OUT/speed.txt 2>&1; echo "speed rc=$? $((SECONDS-start)) s" >> $OUT/steps.txt
 for tool in memcheck racecheck; do
-    timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 $R/san59.py > $OUT/san_$tool.txt 2>&1
+    timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 $R/p59.py san > $OUT/san_$tool.txt 2>&1
     echo "$tool rc=$?" >> $OUT/steps.txt; tail -2 $OUT/san_$tool.txt
 done
-tail -3 $OUT/pytest.txt; cat $OUT/steps.txt $OUT/p59.txt
+tail -3 $OUT/pytest.txt; cat $OUT/steps.txt $OUT/check.txt $OUT/speed.txt
