@@ -4,6 +4,10 @@ against naive CuPy attention, forward and backward, in one process on one GPU.
     python bench/bench_attention.py --out DIR            # the full grid
     python bench/bench_attention.py --out DIR --quick    # a smoke test
 
+Providers: cuflash (its defaults), cuflash-any (the backward with deterministic=False, timed
+only in the cells where that runs other kernels: on Hopper at head dim 64 from 2048 queries),
+torch-flash, torch-cudnn, naive.
+
 Grid: dtype x head dim D x causal x N, with batch = 16384 / N and heads = 2048 / D, layout
 (B, H, N, D). FLOPs: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that, the
 backward timed alone (given out, lse / the autograd graph). Times are CUDA-event medians of
@@ -99,14 +103,16 @@ def free():
         torch.cuda.empty_cache()
 
 
-def time_attention(impl, data, causal, direction, repeat, **kwargs):
-    """`impl`'s (cuflash or naive) forward or backward; the backward's out and lse come from cuflash."""
+def time_attention(impl, data, causal, direction, repeat, deterministic=True, **kwargs):
+    """`impl`'s (cuflash or naive) forward or backward; the backward's out and lse come from cuflash
+    (`deterministic` is the backward's, given only when False)."""
     if direction == "fwd":
         return median_ms(lambda q, k, v, do: impl.attention(q, k, v, causal=causal, **kwargs), data, repeat)
     saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
              for q, k, v, do in data]
+    options = dict(kwargs, **({} if deterministic else {"deterministic": False}))
     return median_ms(
-        lambda q, k, v, do, out, lse: impl.attention_backward(do, q, k, v, out, lse, causal=causal, **kwargs),
+        lambda q, k, v, do, out, lse: impl.attention_backward(do, q, k, v, out, lse, causal=causal, **options),
         saved, repeat,
     )
 
@@ -126,6 +132,16 @@ def time_torch(backend, data, causal, direction, repeat, **kwargs):
         )
 
 
+def any_order_differs(data, causal) -> bool:
+    """Whether cuflash's backward with deterministic=False runs other kernels on these inputs."""
+    from cuflash import _plans
+
+    q, k, v, do = data[0]
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    plan, _ = _plans.backward(do, q, k, v, out, lse, causal, None, None, None, False)
+    return plan.launches.dq_sums is not None
+
+
 def run_cell(dtype, d, causal, n, direction, providers, repeat, naive_max_n):
     b, h = 16384 // n, 2048 // d
     flops = 4 * b * h * n * n * d / (2 if causal else 1) * (2.5 if direction == "bwd" else 1)
@@ -135,6 +151,10 @@ def run_cell(dtype, d, causal, n, direction, providers, repeat, naive_max_n):
         try:
             if name == "cuflash":
                 ms = time_attention(cuflash, data, causal, direction, repeat)
+            elif name == "cuflash-any":
+                if direction != "bwd" or not any_order_differs(data, causal):
+                    continue
+                ms = time_attention(cuflash, data, causal, direction, repeat, deterministic=False)
             elif name == "naive":
                 if n > naive_max_n or b * h * n * n * 4 > NAIVE_MAX_SCORE_BYTES:
                     continue
@@ -152,7 +172,7 @@ def run_cell(dtype, d, causal, n, direction, providers, repeat, naive_max_n):
 
 
 def print_table(rows, providers):
-    rivals = [p for p in providers if p != "cuflash"]
+    rivals = [p for p in providers if not p.startswith("cuflash")]
     head = ["dtype", "D", "causal", "dir", "N"] + [f"{p}" for p in providers] + [f"x {r}" for r in rivals]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -237,7 +257,7 @@ def main():
     ap.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--causal", nargs="+", choices=["false", "true"], default=["false", "true"])
     ap.add_argument("--directions", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
-    ap.add_argument("--providers", nargs="+", default=["cuflash", *TORCH_BACKENDS, "naive"])
+    ap.add_argument("--providers", nargs="+", default=["cuflash", "cuflash-any", *TORCH_BACKENDS, "naive"])
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--naive-max-n", type=int, default=2048,
                     help="longest N for naive CuPy (it is 20-60x slower and stores the N x N scores)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import types
 
+import numpy as np
+
 from . import _checks, _dispatch, _launch, _plans
 
 _CURRENT = contextlib.nullcontext()
@@ -115,12 +117,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
-                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
+                       deterministic=True):
     """Gradients of ``attention`` with respect to q, k and v.
 
     Recomputes the scores block by block from q, k and the forward's ``lse``;
-    extra device memory is O(N). Deterministic: the same inputs give bitwise
-    identical gradients.
+    extra device memory is O(N). Deterministic by default: the same inputs give
+    bitwise identical gradients.
 
     Parameters
     ----------
@@ -130,6 +133,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         As given to ``attention``.
     out, lse : cupy.ndarray
         The forward's results (``attention(..., return_lse=True)``).
+    deterministic : bool
+        False lets the dk/dv kernel add dq up in float32 in whatever order its
+        blocks finish, which saves the dq pass where that is faster: on Hopper
+        (sm_90a), head dim 64 (q, k and v), from 2048 query rows, a multiple of
+        16, without packed sequences. dq may then differ between calls in its
+        last bits; dk and dv do not. Elsewhere the deterministic kernels run.
 
     Returns
     -------
@@ -144,9 +153,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     cuflash.reference.attention_backward : the NumPy float64 version.
     """
     orig = (q, k, v)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
-                                                                   packed)
+                                                                   packed, bool(deterministic))
     cupy = _checks.require_cupy()
     # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
     alloc = cupy.empty if plan.launches.runs else cupy.zeros
@@ -156,9 +167,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             delta = cupy.empty(plan.shapes[3], dtype=cupy.float32)
             lists = _tile_lists(cupy, plan.launches)
             tiles = (lists.get(_launch.Q_TILES), lists.get(_launch.K_TILES))
-            arrays = (q, k, v, out, lse, cu_q, cu_k, *tiles, dout, delta, dq, dk, dv)
+            sums = None if plan.launches.dq_sums is None else cupy.zeros(plan.shapes[0], dtype=cupy.float32)
+            arrays = (q, k, v, out, lse, cu_q, cu_k, *tiles, dout, delta, dq if sums is None else sums, dk, dv)
             for launch in plan.launches.runs:
                 launch.run(arrays)
+            if sums is not None:
+                _dispatch.scale_dq_sums(sums, dq, plan.launches.dq_sums)
         if plan.dkdv_entries is not None and plan.dkdv_entries[1] > 1:
             dk, dv = (_sum_split(cupy, g, x) for g, x in ((dk, k), (dv, v)))
         return tuple(_gradient_of(cupy, g, x) for g, x in zip((dq, dk, dv), orig))
@@ -183,14 +197,16 @@ def _gradient_of(cupy, g, x):
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
-                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
+                  deterministic=True):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
     runs ``attention`` and keeps only what the backward needs (q, k, v, out
     and the per-row logsumexp, O(N) extra); ``dq, dk, dv = vjp(dout)`` then
     runs ``attention_backward``. The closure may be called more than once. The
-    keywords are those of ``attention``.
+    keywords are those of ``attention``, and ``deterministic`` that of
+    ``attention_backward``.
 
     Returns
     -------
@@ -205,7 +221,7 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, out, lse, **mask)
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **mask)
 
     return out, vjp
 

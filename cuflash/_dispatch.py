@@ -14,9 +14,9 @@ from ._launch import (
     Launches, TileListLaunch, blocks_per_sm, cluster_slots, one_per_sm_smem, sm_count,
 )
 from ._tiles import (
-    ELEMENT_TYPES, KEY_RUNS, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, fwd_name,
-    fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, sm90_bwd_names, sm90_bwd_tiles,
-    sm90_fwd_tiles, sum_parts_name,
+    ELEMENT_TYPES, KEY_RUNS, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, delta_name,
+    fwd_name, fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, scale_dq_sums_name,
+    sm90_bwd_names, sm90_bwd_tiles, sm90_fwd_tiles, sum_parts_name,
 )
 
 MERGE_THREADS = 256   # kernels/decode/merge.cuh: one block of MergeTiles::WARPS warps per row
@@ -45,6 +45,22 @@ def sum_parts(cupy, partial):
         blocks = min(-(-total.size // 512), 8 * sm_count())
         fn((blocks,), (256,), (partial, total, np.int64(before), np.int32(parts), np.int64(total.size // before)))
     return total
+
+
+def scale_dq_sums(sums, dq, scale: float) -> None:
+    """dq = sums * scale in dq's type, from the float32 sums of dq's shape that the Hopper
+    dk/dv pass added up in its accumulators' order (kernels/prefill/reduce.cuh)."""
+    pairs = sums.size // 2
+    if pairs:
+        fn = _compile.get_function(scale_dq_sums_name(dq.dtype.name), 0)
+        fn((min(-(-pairs // 256), 8 * sm_count()),), (256,), (sums, dq, np.float32(scale), np.int64(pairs)))
+
+
+def _dq_in_any_order(x) -> bool:
+    """Whether the dk/dv pass may add dq up for this call (deterministic=False): it adds
+    whole chunks of 16 rows of 64 columns, so dense calls whose rows come in multiples
+    of 16, with head dim 64 for q, k and v."""
+    return x.packed is None and x.nq % 16 == 0 and x.d == x.dv == 64
 
 
 def _row_blocks(x, block: int, by_keys: bool, entries: int):
@@ -135,15 +151,17 @@ def dkdv_layout(x, key_blocks: int, slots: int):
     return grouped, (before, split, after)
 
 
-def backward_launches(x) -> Launches:
+def backward_launches(x, deterministic: bool = True) -> Launches:
     """delta = rowsum(dout * out), then dk/dv over key blocks, then dq over query blocks
-    (on sm_90a: dq with delta, then dk/dv); with packed sequences, after the launches that
-    list their tiles. With at least one query and one key."""
+    (on sm_90a: dq with delta, then dk/dv; or, not deterministic where the tiles allow,
+    delta, then dk/dv adding dq up in float32); with packed sequences, after the launches
+    that list their tiles. With at least one query and one key."""
     head_dim = head_dim_bucket(x.d, x.dv)
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     width = max(x.d, x.dv)
     queries = x.nq / x.packed.num_seqs if x.packed and x.packed.num_seqs else x.nq   # per sequence (the mean)
-    sm90 = sm90_bwd_tiles(x.dtype_name, head_dim, queries) if _compile.current_arch() == "sm_90a" else None
+    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, deterministic or not _dq_in_any_order(x))
+            if _compile.current_arch() == "sm_90a" else None)
     if sm90 is not None:
         dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None)
         dq_res, dkdv_res = sm90.dq_resident, sm90.dkdv_resident
@@ -153,7 +171,7 @@ def backward_launches(x) -> Launches:
         per_sm = sm90.dkdv_blocks_per_sm
     else:
         tiles = bwd_tiles(x.dtype_name, head_dim)
-        delta_name, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None)
+        _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None)
         dq_res = dkdv_res = tiles.resident
         dq_smem = dkdv_smem = tiles.smem_bytes(itemsize)
         dq_cols = dkdv_cols = max(1, -(-width // tiles.dcol))
@@ -165,19 +183,23 @@ def backward_launches(x) -> Launches:
     dkdv_params = _params.bwd_params(x, dkdv_res, layout)
     dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
     dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
-    dq = Launch(_compile.get_function(dq_name, dq_smem), (dq_blocks, dq_cols), threads, dq_smem, dq_params, DQ_FIELDS)
     dkdv = Launch(_compile.get_function(dkdv_name, dkdv_smem), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
                   dkdv_params, DKDV_FIELDS)
-    if sm90 is not None:
-        runs = (dq, dkdv)
+    adds_dq = sm90 is not None and sm90.dkdv_adds_dq   # then no dq pass: delta first, and dq in float32 sums
+    if not adds_dq:
+        dq = Launch(_compile.get_function(dq_name, dq_smem), (dq_blocks, dq_cols), threads, dq_smem, dq_params,
+                    DQ_FIELDS)
+    if sm90 is None or adds_dq:
+        delta = Launch(_compile.get_function(delta_name(x.dtype_name), 0), (-(-x.batch_size * x.nq // 4),), 128, 0,
+                       dq_params, DQ_FIELDS)
+        runs = (delta, dkdv) if adds_dq else (delta, dkdv, dq)
     else:
-        delta = Launch(_compile.get_function(delta_name, 0), (-(-x.batch_size * x.nq // 4),), 128, 0, dq_params,
-                       DQ_FIELDS)
-        runs = (delta, dkdv, dq)
+        runs = (dq, dkdv)
+    dq_sums = float(x.scale) if adds_dq else None
     if x.packed is None:
-        return Launches(runs, (), entries)
+        return Launches(runs, (), entries, dq_sums=dq_sums)
     lists = (_tile_list(x, dq_res, False, Q_TILES, q_capacity), _tile_list(x, dkdv_res, True, K_TILES, k_capacity))
-    return Launches(lists + runs, ((Q_TILES, q_capacity), (K_TILES, k_capacity)), entries)
+    return Launches(lists + runs, ((Q_TILES, q_capacity), (K_TILES, k_capacity)), entries, dq_sums=dq_sums)
 
 
 DECODE_SPLIT_COST = 2      # key blocks' worth of time a block spends starting and ending

@@ -186,6 +186,9 @@ class Launches:
     dkdv_entries: tuple[int, int, int] | None = None
     # whether a run draws its tiles from the stream's tile counter (tile_counter)
     counted: bool = False
+    # the backward's dk/dv pass adds dq up in float32 (in place of dq, zeroed first), which
+    # the call then scales by this and rounds into dq; None: the kernels write dq
+    dq_sums: float | None = None
 
 
 _occupancy: dict = {}

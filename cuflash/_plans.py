@@ -118,11 +118,11 @@ def forward(q, k, v, causal, window, scale, packed=None):
     return plan, (x.q, x.k, x.v) + _packed_arrays(x)
 
 
-def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None):
+def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None, deterministic=True):
     """(plan, (q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k) as the kernels read them)
     of a backward call. A plan without launches (no query or no key) stands for zero gradients."""
     arrays = (q, k, v, out, lse, dout)
-    key = _signature("bwd", arrays, causal, window, scale, packed)
+    key = _signature("bwd" if deterministic else "bwd, any order", arrays, causal, window, scale, packed)
     plan = _plans.get(key)
     if plan is not None:
         return plan, arrays + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
@@ -130,7 +130,8 @@ def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None):
     cupy = _checks.require_cupy()
     out2, dout2, lse2 = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
     with x.q.device:
-        launches = _dispatch.backward_launches(x) if x.batch_size and x.nq and x.nk else _launch.Launches(())
+        launches = (_dispatch.backward_launches(x, deterministic) if x.batch_size and x.nq and x.nk
+                    else _launch.Launches(()))
     shape, entries = x.batch_shape, launches.dkdv_entries
     if entries is None:
         k_rows, v_rows = shape, shape

@@ -271,7 +271,7 @@ def bwd_names(dtype_name: str, tiles: BwdTiles, packed: bool = False) -> tuple[s
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
     args = f"{elem}, {t.head_dim}, {t.dcol}, {t.step}, {t.warps}, {_flag(packed)}"
-    return (f"cuflash::attn_bwd_delta<{elem}>", f"cuflash::attn_bwd_dkdv<{args}>", f"cuflash::attn_bwd_dq<{args}>")
+    return (delta_name(dtype_name), f"cuflash::attn_bwd_dkdv<{args}>", f"cuflash::attn_bwd_dq<{args}>")
 
 
 @dataclass(frozen=True)
@@ -297,6 +297,9 @@ class Sm90BwdTiles:
     dkdv_ws_stages: int = 0
     # the same for the dq pass (attn_bwd_dq_sm90_ws: 128 queries, steps of the dq step)
     dq_ws_stages: int = 0
+    # dq added up in float32 by the dk/dv pass on a loading warpgroup, in any order
+    # (deterministic=False; no dq pass): head dim 64
+    dkdv_adds_dq: bool = False
 
     @property
     def resident(self) -> int:
@@ -335,8 +338,10 @@ class Sm90BwdTiles:
         if self.dkdv_ws_stages and self.wide_dkdv:   # 64 keys, and one step of p^T as float32
             return (self._ws_smem_bytes(64, self.step, self.dkdv_ws_stages, itemsize, row_stats=True)
                     + 64 * self.step * 4)
-        if self.dkdv_ws_stages:   # steps of 64 queries with their lse and delta
-            return self._ws_smem_bytes(128, 64, self.dkdv_ws_stages, itemsize, row_stats=True)
+        if self.dkdv_ws_stages:   # steps of 64 queries with their lse and delta (adding dq up: four 64 x 64
+            # tiles of ds^T, and two float32 chunks of 16 dq rows per computing warp)
+            ds = (4 * 64 * 64 * itemsize + 16 * 16 * self.head_dim * 4) if self.dkdv_adds_dq else 0
+            return self._ws_smem_bytes(128, 64, self.dkdv_ws_stages, itemsize, row_stats=True) + ds
         if not self.wide_dkdv:
             return self._smem_bytes(self.resident, self.step, self.stages, itemsize)
         # one warpgroup's rows, plus one step of p^T as float32
@@ -363,10 +368,12 @@ class Sm90BwdTiles:
 SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 
 
-def sm90_bwd_tiles(dtype_name: str, head_dim: int,
-                   queries: float = SM90_WS_BWD_MIN_QUERIES_D64) -> Sm90BwdTiles | None:
+def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_MIN_QUERIES_D64,
+                   deterministic: bool = True) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
-    None (as sm90_fwd_tiles).
+    None (as sm90_fwd_tiles). Not deterministic: where the dk/dv pass runs on a loading
+    warpgroup at head dim 64, it adds dq up too (no dq pass: 1.05-1.20x the deterministic
+    backward, bench/NOTES.md v34); elsewhere the same tiles.
 
     At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
     two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128
@@ -384,7 +391,7 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int,
         # next step (3 stages); dq over 128 keys per step
         ws = 4 if queries >= SM90_WS_BWD_MIN_QUERIES_D64 else 0
         return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
-                            dkdv_ws_stages=ws)
+                            dkdv_ws_stages=ws, dkdv_adds_dq=bool(ws) and not deterministic)
     # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90);
     # at head dim 128 the dq pass over 128 keys a step (1.00-1.10x 64, bench/NOTES.md v20)
     return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2,
@@ -401,7 +408,8 @@ def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -
     elif t.wide_dkdv:
         dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}, {flag}>"
     elif t.dkdv_ws_stages:
-        dkdv = f"cuflash::attn_bwd_dkdv_sm90_ws<{elem}, {t.head_dim}, {t.dkdv_ws_stages}, {flag}>"
+        adds = _flag(t.dkdv_adds_dq)
+        dkdv = f"cuflash::attn_bwd_dkdv_sm90_ws<{elem}, {t.head_dim}, {t.dkdv_ws_stages}, {flag}, {adds}>"
     else:
         rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}, {flag}"
         dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>"
@@ -431,8 +439,13 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                             name = hopper_fwd_name(dt, t, packed)
                             if name not in names:
                                 names.append(name)
-                    for queries in (1, SM90_WS_BWD_MIN_QUERIES_D64):
-                        bwd = sm90_bwd_names(dt, sm90_bwd_tiles(dt, hd, queries), packed)
+                    # (dq added up in any order: dense calls only, _dispatch._dq_in_any_order)
+                    for queries, deterministic in ((1, True), (SM90_WS_BWD_MIN_QUERIES_D64, True),
+                                                   (SM90_WS_BWD_MIN_QUERIES_D64, packed)):
+                        tiles = sm90_bwd_tiles(dt, hd, queries, deterministic)
+                        bwd = sm90_bwd_names(dt, tiles, packed)
+                        if tiles.dkdv_adds_dq:   # then delta runs first, and the sums are scaled and rounded
+                            bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt))
                         names.extend(n for n in bwd if n not in names)
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
@@ -447,6 +460,14 @@ def merge_name(dtype_name: str) -> str:
 
 def sum_parts_name(dtype_name: str) -> str:
     return f"cuflash::sum_parts<{ELEMENT_TYPES[dtype_name][0]}>"
+
+
+def scale_dq_sums_name(dtype_name: str) -> str:
+    return f"cuflash::scale_dq_sums<{ELEMENT_TYPES[dtype_name][0]}, 64>"
+
+
+def delta_name(dtype_name: str) -> str:
+    return f"cuflash::attn_bwd_delta<{ELEMENT_TYPES[dtype_name][0]}>"
 
 
 # How the decoding kernel finds a block's keys (kernels/decode/decode.cuh: KeyLayout)

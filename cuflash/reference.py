@@ -318,7 +318,7 @@ def tiled_attention(
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       check=True):
+                       check=True, deterministic=True):
     """Exact gradients of `attention` with respect to q, k and v, in float64.
 
     The NumPy twin of `cuflash.attention_backward`. As in FlashAttention, the probabilities
@@ -344,6 +344,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         The forward's logsumexp (``return_lse=True``); ``-inf`` marks a row with no key.
     causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
         As in the forward call that produced ``out`` and ``lse``.
+    deterministic : bool
+        Taken for the GPU function's sake; this one is deterministic either way.
 
     Returns
     -------
@@ -355,6 +357,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     --------
     cuflash.attention_backward : the same on the GPU, for CuPy arrays.
     """
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     left, right = normalize_window(causal, window)
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
     nq, dv_dim = q.shape[-2], v.shape[-1]

@@ -17,7 +17,7 @@ import pytest
 from conftest import GPU_MISSING, poisoned_allocations, requires_gpu
 
 import cuflash
-from cuflash import _checks, _launch
+from cuflash import _checks, _launch, reference
 from cuflash._mask import normalize_window
 
 
@@ -89,6 +89,15 @@ def test_backward_non_cupy_input_says_how_to_convert(no_gpu_lookup):
     x = np.ones((4, 8), np.float16)
     with pytest.raises(TypeError, match=has("q must be a cupy.ndarray, got numpy.ndarray", "cupy.asarray(q)")):
         cuflash.attention_backward(x, x, x, x, x, x[:, 0].astype(np.float32))
+
+
+@pytest.mark.parametrize("deterministic", ["yes", None, 1])
+def test_deterministic_must_be_a_bool(no_gpu_lookup, deterministic):
+    x = np.ones((4, 8), np.float16)
+    with pytest.raises(TypeError, match=has(f"deterministic must be True or False, got {deterministic!r}")):
+        cuflash.attention_backward(x, x, x, x, x, x[:, 0].astype(np.float32), deterministic=deterministic)
+    with pytest.raises(TypeError, match=has(f"deterministic must be True or False, got {deterministic!r}")):
+        reference.attention_backward(x, x, x, x, x, x[:, 0].astype(np.float32), deterministic=deterministic)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "dout", "out", "lse"])

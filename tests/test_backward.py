@@ -28,10 +28,10 @@ DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 
 
-def check_backward(q, k, v, dout, **mask):
+def check_backward(q, k, v, dout, deterministic=True, **mask):
     out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
     with poisoned_allocations():
-        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, **mask)
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **mask)
     host = [cupy.asnumpy(x) for x in (q, k, v, dout)]
     r_out, r_lse = reference.attention(*host[:3], return_lse=True, **mask)
     refs = reference.attention_backward(host[3], *host[:3], r_out, r_lse, **mask)
@@ -122,20 +122,20 @@ def test_backward_is_deterministic():
         assert cupy.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+LOADING_WARPGROUP_CASES = [
+    ((1, 3, 700), (1, 3, 1300), {"causal": True}),        # more keys than queries
+    ((1, 2, 1000), (1, 2, 777), {"causal": True}),        # key blocks no row sees
+    ((2, 1, 513), (2, 1, 1500), {"window": (100, 50)}),   # few query blocks per key block
+    ((2, 1, 4, 400), (2, 1, 1, 400), {}),                 # grouped queries: steps across the group
+    ((3, 2, 256), (1, 2, 256), {"window": (None, 0)}),    # k and v broadcast along the batch
+]
+
+
 @pytest.mark.parametrize("d, dkdv_stages, dq_stages, dq_step", [(64, 2, 0, 0), (64, 4, 3, 0), (128, 2, 0, 0),
                                                                 (128, 3, 2, 0), (64, 0, 2, 0), (128, 0, 3, 64),
                                                                 (128, 2, 2, 64), (256, 0, 3, 0), (256, 3, 0, 0),
                                                                 (256, 4, 3, 0)])
-@pytest.mark.parametrize(
-    "q_shape, k_shape, mask",
-    [
-        ((1, 3, 700), (1, 3, 1300), {"causal": True}),        # more keys than queries
-        ((1, 2, 1000), (1, 2, 777), {"causal": True}),        # key blocks no row sees
-        ((2, 1, 513), (2, 1, 1500), {"window": (100, 50)}),   # few query blocks per key block
-        ((2, 1, 4, 400), (2, 1, 1, 400), {}),                 # grouped queries: steps across the group
-        ((3, 2, 256), (1, 2, 256), {"window": (None, 0)}),    # k and v broadcast along the batch
-    ],
-)
+@pytest.mark.parametrize("q_shape, k_shape, mask", LOADING_WARPGROUP_CASES)
 def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, dq_step, q_shape, k_shape, mask):
     """attn_bwd_dkdv_sm90_ws and attn_bwd_dq_sm90_ws (0 stages: the other kernel; dq_step 0:
     the tiles' own) at the ring depths and steps bench/tune_tiles.py may time, also where the
@@ -164,6 +164,96 @@ def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, dq
         assert threads.count(384) == (dkdv_stages > 0) + (dq_stages > 0)   # the loading warpgroups' launches
     finally:
         _plans.clear()
+
+
+def _dq_pass_runs(plan) -> bool:
+    """Whether a backward plan has a dq pass (else its dk/dv pass adds dq up)."""
+    return plan.launches.dq_sums is None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "q_shape, k_shape, mask",
+    # the loading-warpgroup cases with rows in multiples of 16 (those the pass adds up)
+    [((1, 3, 704), (1, 3, 1300), {"causal": True}), ((1, 2, 1008), (1, 2, 777), {"causal": True}),
+     ((2, 1, 528), (2, 1, 1500), {"window": (100, 50)})] + LOADING_WARPGROUP_CASES[3:],
+)
+def test_dq_added_up_by_the_dkdv_pass(monkeypatch, dtype, q_shape, k_shape, mask):
+    """deterministic=False on Hopper at head dim 64: attn_bwd_dkdv_sm90_ws adds dq up in
+    float32 and no dq pass runs, here also at lengths where the default would not take it
+    (the tiles of 4096 queries forced)."""
+    from cuflash import _compile, _dispatch, _plans
+
+    if _compile.current_arch() != "sm_90a":
+        pytest.skip("the dk/dv pass that adds dq up is Hopper's (sm_90a)")
+    tiles_of = _dispatch.sm90_bwd_tiles
+    monkeypatch.setattr(_dispatch, "sm90_bwd_tiles", lambda dt, hd, queries, deterministic: tiles_of(
+        dt, hd, 4096, deterministic))
+    _plans.clear()
+    try:
+        rng = np.random.default_rng(len(q_shape) + 3 * len(mask) + q_shape[-1])
+        q = random_array(rng, q_shape + (64,), dtype, 4.0)
+        k, v = (random_array(rng, k_shape + (64,), dtype) for _ in range(2))
+        batch = np.broadcast_shapes(q_shape[:-1], k_shape[:-1])
+        dout = random_array(rng, batch + (q_shape[-1], 64), dtype)
+        check_backward(q, k, v, dout, deterministic=False, **mask)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
+        plan, _ = _plans.backward(dout, q, k, v, out, lse, mask.get("causal", False), mask.get("window"), None,
+                                  None, False)
+        assert [run.threads for run in plan.launches.runs] == [128, 384]   # delta, then dk/dv: no dq pass
+        assert not _dq_pass_runs(plan)
+    finally:
+        _plans.clear()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_not_deterministic_where_it_runs_by_default(dtype, causal):
+    """deterministic=False as a user calls it: from 2048 queries at head dim 64 the dk/dv pass
+    adds dq up on Hopper; dk and dv are the same from call to call."""
+    from cuflash import _compile, _plans
+
+    rng = np.random.default_rng(11 + causal)
+    q, k, v, dout = (random_array(rng, (1, 2, 2048, 64), dtype, 3.0) for _ in range(4))
+    dq, dk, dv = check_backward(q, k, v, dout, deterministic=False, causal=causal)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, causal=causal)
+    again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=False)
+    for a, b in zip((dk, dv), again[1:]):
+        assert cupy.array_equal(a.view(np.uint16), b.view(np.uint16))
+    plan, _ = _plans.backward(dout, q, k, v, out, lse, causal, None, None, None, False)
+    assert _dq_pass_runs(plan) == (_compile.current_arch() != "sm_90a")
+
+
+@pytest.mark.parametrize(
+    "shape, d, dv, packed",
+    [((1, 2, 2050), 64, 64, False),   # rows not a multiple of 16
+     ((1, 2, 2048), 40, 40, False),   # head dim 64's bucket, but not 64
+     ((1, 2, 2048), 64, 32, False),   # v's head dim other than q's
+     ((1, 2, 2048), 64, 64, True)],   # packed sequences
+)
+def test_not_deterministic_falls_back_to_the_dq_pass(shape, d, dv, packed):
+    """Where the dk/dv pass cannot add dq up, deterministic=False runs the deterministic
+    kernels: the same gradients, bit for bit."""
+    from cuflash import _plans
+
+    rng = np.random.default_rng(d + dv + shape[-1])
+    q, k = (random_array(rng, shape + (d,), "float16", 3.0) for _ in range(2))
+    v, dout = (random_array(rng, shape + (dv,), "float16") for _ in range(2))
+    extra = {}
+    if packed:   # three sequences along the rows of one entry
+        lengths = [700, 900, shape[-1] - 1600]
+        cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        extra = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lengths), "max_seqlen_k": max(lengths)}
+        q, k, v, dout = (x[0] for x in (q, k, v, dout))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True, **extra)
+    exact = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **extra)
+    with poisoned_allocations():
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=False, **extra)
+    for a, b in zip(grads, exact):
+        assert cupy.array_equal(a.view(np.uint16), b.view(np.uint16))
+    plan, _ = _plans.backward(dout, q, k, v, out, lse, True, None, None, dict(extra, check=True) if packed else None,
+                              False)
+    assert _dq_pass_runs(plan)
 
 
 def test_vjp_closure_matches_backward():

@@ -36,6 +36,12 @@ struct SmemTile {
     }
 };
 
+// Four floats to 16 bytes of shared memory at a shared-space address.
+__device__ __forceinline__ void st_shared_v4(u32 s_addr, float x, float y, float z, float w) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(s_addr), "f"(x), "f"(y), "f"(z), "f"(w)
+                 : "memory");
+}
+
 // 16-byte global -> shared copy that bypasses registers; when !valid it reads
 // nothing and writes zeros, which pads ragged rows and head dims.
 __device__ __forceinline__ void cp_async_16(u32 s_addr, const void* g_ptr, bool valid) {

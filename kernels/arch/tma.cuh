@@ -62,6 +62,24 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, u32 bar,
         :: "r"(dst), "l"(map_address(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4) : "memory");
 }
 
+// The other way: the copy engine adds `bytes` (a multiple of 16) of float32 from shared
+// memory into global memory, element by element, as atomically as red.global.add (any
+// order). The issuing thread groups its bulk operations: commit closes a group, and
+// wait_group<N, READ> waits until at most N of its groups are pending (READ: only their
+// reads of shared memory, after which the source may be written again).
+__device__ __forceinline__ void bulk_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N, bool READ>
+__device__ __forceinline__ void bulk_wait_group() {
+    if (READ)
+        asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+    else
+        asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
 }  // namespace cuflash
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

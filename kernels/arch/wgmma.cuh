@@ -82,6 +82,8 @@ __device__ __forceinline__ void pin_registers(u32 (&x)[A][4]) {
 // scale_d = 0 ignores the old d (first step of a fresh product).
 template <class T, int N> __device__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b, int scale_d);
 template <class T, int N> __device__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b, int scale_d);
+//   wgmma_ss_nb: A K-major in shared memory, B N-major there (ds from shared memory times k)
+template <class T, int N> __device__ void wgmma_ss_nb(float (&d)[N / 8][4], u64 a, u64 b, int scale_d);
 
 #define CUFLASH_R0_15 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define CUFLASH_R0_31 CUFLASH_R0_15 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -116,6 +118,14 @@ template <class T, int N> __device__ void wgmma_rs(float (&d)[N / 8][4], const u
                      "{" REGS "}, " A ", " B ", p, 1, 1, 0, 0;\n}\n"                                      \
                      : CUFLASH_ACC_##N : "l"(a), "l"(b), "r"(scale_d));                                  \
     }
+#define CUFLASH_WGMMA_SS_NB(TYPE, PTX_TYPE, N, REGS, A, B, SCALE)                                       \
+    template <> __device__ __forceinline__ void wgmma_ss_nb<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b,  \
+                                                                     int scale_d) {                       \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                    \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "           \
+                     "{" REGS "}, " A ", " B ", p, 1, 1, 0, 1;\n}\n"                                      \
+                     : CUFLASH_ACC_##N : "l"(a), "l"(b), "r"(scale_d));                                  \
+    }
 #define CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, N, REGS, A, B, SCALE)                                          \
     template <> __device__ __forceinline__ void wgmma_rs<TYPE, N>(float (&d)[N / 8][4], const u32 (&a)[4], \
                                                                   u64 b, int scale_d) {                   \
@@ -131,6 +141,7 @@ template <class T, int N> __device__ void wgmma_rs(float (&d)[N / 8][4], const u
     CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 80, CUFLASH_R0_31 ", " CUFLASH_R32_39, "%40", "%41", "%42")                    \
     CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64", "%65", "%66")                   \
     CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 176, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_87, "%88", "%89", "%90") \
+    CUFLASH_WGMMA_SS_NB(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32", "%33", "%34")                                     \
     CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32, %33, %34, %35", "%36", "%37")                         \
     CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64, %65, %66, %67", "%68", "%69")    \
     CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 256, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_127,                  \
@@ -165,6 +176,35 @@ __device__ __forceinline__ void wgmma_regs_cols(float (&d)[N / 8][4], const u32 
     const u64 b = smem_descriptor(s_b, BTile::PANEL_BYTES, 1024);
 #pragma unroll
     for (int j = 0; j < K_STEPS; ++j) wgmma_rs<T, N>(d, a[j], b + u32(j * 16 * 128 >> 4), 1);
+}
+
+// d = A . B with A (64 rows from s_a, K_STEPS x 16 columns, stored one row per output
+// row) and B read down its rows as in wgmma_regs_cols (ds k, ds from shared memory).
+template <class T, class BTile, int N, int K_STEPS>
+__device__ __forceinline__ void wgmma_smem_cols(float (&d)[N / 8][4], u32 s_a, u32 s_b) {
+    static_assert(K_STEPS <= 4, "A within one 64-column panel");
+    const u64 a = smem_descriptor(s_a, 16, 1024), b = smem_descriptor(s_b, BTile::PANEL_BYTES, 1024);
+#pragma unroll
+    for (int j = 0; j < K_STEPS; ++j) wgmma_ss_nb<T, N>(d, a + u32(j * 32 >> 4), b + u32(j * 16 * 128 >> 4), j);
+}
+
+// The transpose of a warpgroup's A fragments into a 64-row, one-panel tile at s_tile:
+// the warp's fragments hold its 16 rows (from warp_row0 of the 64) against K_STEPS x 16
+// columns; the tile gets those columns as rows, the warp's rows as its 16 columns, so
+// that wgmma can take the transpose as an A operand (ds^T of the dk/dv pass as ds).
+// stmatrix .trans stores a thread's pair (row, col..col+1) down a column.
+template <int K_STEPS>
+__device__ __forceinline__ void store_transposed(u32 s_tile, const u32 (&a)[K_STEPS][4], int warp_row0) {
+    static_assert(K_STEPS <= 4, "64 rows out");
+    const int lane = threadIdx.x % 32, matrix = lane / 8, r = lane % 8;
+    const int chunk = warp_row0 / 8 + (matrix & 1);   // a[j][m]: rows +8 for m odd, columns +8 for m >= 2
+#pragma unroll
+    for (int j = 0; j < K_STEPS; ++j) {
+        const int row = 16 * j + (matrix >> 1) * 8 + r;
+        const u32 at = s_tile + u32(row * 128 + ((chunk ^ (row % 8)) * 16));
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(at), "r"(a[j][0]), "r"(a[j][1]), "r"(a[j][2]), "r"(a[j][3]) : "memory");
+    }
 }
 
 // Score accumulators of 2 K_STEPS n8 tiles as K_STEPS wgmma A fragments (mma.cuh's scores_to_a).

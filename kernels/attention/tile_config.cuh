@@ -144,8 +144,10 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 2
 // streams in steps of STEP rows through a ring of STAGES, each stage guarded by a full
 // and an empty mbarrier. ROW_STATS: each stage also holds its query rows' lse and
 // delta (the dk/dv passes). The D 128 dk/dv pass needs 240 registers per computing
-// thread (it spills at 216).
-template <class T, int HEAD_DIM_, int RESIDENT_, int STEP_, int STAGES_, bool ROW_STATS>
+// thread (it spills at 216). ADDS_DQ: a dk/dv pass that adds dq up as well, with four
+// 64 x 64 tiles of ds^T (two per computing warpgroup, by step) and two float32 chunks of
+// 16 dq rows per computing warp (by step), which the copy engine adds into global memory.
+template <class T, int HEAD_DIM_, int RESIDENT_, int STEP_, int STAGES_, bool ROW_STATS, bool ADDS_DQ = false>
 struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -155,12 +157,16 @@ struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
 
     using ResidentTile = PanelTile<Storage, RESIDENT, HEAD_DIM>;
     using StepTile = PanelTile<Storage, STEP, HEAD_DIM>;
+    using DsTile = PanelTile<Storage, 64, 64>;
+    static constexpr int DS_BYTES = ADDS_DQ ? 4 * DsTile::BYTES : 0;
+    static constexpr int DQ_CHUNK_BYTES = 16 * HEAD_DIM * 4;
+    static constexpr int DQ_CHUNKS = ADDS_DQ ? 2 * 8 : 0;
     // barriers: the resident tiles full; per stage, step full and empty
     static constexpr int BARRIERS = 1 + 2 * STAGES;
     static constexpr int ROW_STATS_BYTES = ROW_STATS ? 2 * STAGES * STEP * 4 : 0;
-    // [2 resident tiles][2 step tiles x STAGES][lse x STAGES][delta x STAGES][barriers]
-    static constexpr int SMEM_BYTES =
-        1024 + 2 * ResidentTile::BYTES + 2 * STAGES * StepTile::BYTES + ROW_STATS_BYTES + 8 * BARRIERS;
+    // [2 resident tiles][2 step tiles x STAGES][ds tiles][dq chunks][lse x STAGES][delta x STAGES][barriers]
+    static constexpr int SMEM_BYTES = 1024 + 2 * ResidentTile::BYTES + 2 * STAGES * StepTile::BYTES + DS_BYTES +
+                                      DQ_CHUNKS * DQ_CHUNK_BYTES + ROW_STATS_BYTES + 8 * BARRIERS;
 };
 
 // Hopper backward: each warpgroup owns 64 resident rows; the other side streams

@@ -13,7 +13,6 @@
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 namespace cuflash {
-
 // A pass's barriers, after its buffers: its resident tiles' "full", then per stage a
 // step's "full" (its copies landed: one arrival per loading thread) and "empty" (both
 // computing warpgroups are done with it). init: by thread 0 before the block syncs.
@@ -36,20 +35,23 @@ struct StepRing {
 };
 
 // The shared memory of a dk/dv pass, from a 1024-byte boundary (swizzle atoms):
-// [K][V][Q x STAGES][dO x STAGES][lse x STAGES][delta x STAGES][barriers], lse as stored.
+// [K][V][Q x STAGES][dO x STAGES][ds tiles][dq chunks][lse x STAGES][delta x STAGES]
+// [barriers], lse as stored; the ds tiles and dq chunks only in a pass that adds dq up.
 template <class Cfg>
 struct DkdvSmem {
-    u32 k, v, q, dout, lse, delta;
+    u32 k, v, q, dout;
+    u32 ds, dq_chunks;       // (Cfg::ADDS_DQ) ds^T tiles; per computing warp and step % 2, its 16 rows of dq
+    u32 lse, delta;
     StepRing<Cfg::STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring;
     const float* lse_rows;   // lse, then delta, as the computing threads read them
 
     __device__ __forceinline__ explicit DkdvSmem(unsigned char* smem)
         : k((smem_address(smem) + 1023u) & ~1023u), v(k + Cfg::ResidentTile::BYTES), q(v + Cfg::ResidentTile::BYTES),
-          dout(q + Cfg::STAGES * Cfg::StepTile::BYTES), lse(dout + Cfg::STAGES * Cfg::StepTile::BYTES),
+          dout(q + Cfg::STAGES * Cfg::StepTile::BYTES), ds(dout + Cfg::STAGES * Cfg::StepTile::BYTES),
+          dq_chunks(ds + Cfg::DS_BYTES), lse(dq_chunks + Cfg::DQ_CHUNKS * Cfg::DQ_CHUNK_BYTES),
           delta(lse + Cfg::STAGES * Cfg::STEP * 4), ring{delta + Cfg::STAGES * Cfg::STEP * 4},
           lse_rows(reinterpret_cast<const float*>(smem + (lse - smem_address(smem)))) {}
     __device__ __forceinline__ u32 end() const { return ring.base + 8u * u32(Cfg::BARRIERS); }
-
     // For the computing warpgroups: step j's stage once its copies have landed, its Q and
     // dO tiles, lse (as stored) and delta; released once the warpgroup is done with it.
     struct Stage {
@@ -122,10 +124,42 @@ __device__ __forceinline__ bool run_dkdv_loads(const BwdParams& p, const Work& w
     return true;
 }
 
-template <class T, int HEAD_DIM, int STAGES, bool PACKED>
+// A warp's 16 rows of a step's dq partial sum, added into the float32 sums at g by the
+// copy engine: staged in the accumulator's order (lane l's four floats of a column tile
+// side by side with the other lanes': no bank conflicts), so that the sums hold each
+// 16-row chunk in that order ([column tile][lane][4]; scale_dq_sums puts it back). One of
+// two chunks, by step: the bulk add of step j - 2, the chunk's last, has read it before
+// it is written again. Each step commits a group, empty when the rows are not there.
+template <int D_TILES>
+__device__ __forceinline__ void add_dq_chunk(float* g, u32 chunk, const float (&part)[1][D_TILES][4], int j,
+                                             bool rows_there) {
+    const int lane = int(threadIdx.x) % 32;
+    if (lane == 0 && j >= 2) bulk_wait_group<1, true>();
+    __syncwarp();
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; ++dt)
+        st_shared_v4(chunk + u32((dt * 32 + lane) * 16), part[0][dt][0], part[0][dt][1], part[0][dt][2],
+                     part[0][dt][3]);
+    fence_async_shared();   // the stores (generic proxy) before the copy engine reads them
+    __syncwarp();
+    if (lane == 0) {
+        if (rows_there) bulk_add_f32(g, chunk, u32(16 * D_TILES * 8 * 4));
+        bulk_commit_group();
+    }
+}
+
+// ADDS_DQ (deterministic=False, head dim 64): each computing warpgroup also forms dq's
+// partial sum over its 64 keys, ds k: ds^T goes transposed into shared memory (one of two
+// tiles per warpgroup, by step; the warpgroup's named barrier 1 + consumer before the
+// product orders a step's writes after the reads two steps back) and wgmma reads it with
+// K. Each warp adds its 16 rows into float32 p.dq (dq's shape, unscaled) by add_dq_chunk;
+// both warpgroups add to the same rows, in whatever order. No dq pass runs: a delta
+// launch comes first, and scale_dq_sums after.
+template <class T, int HEAD_DIM, int STAGES, bool PACKED, bool ADDS_DQ>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_sm90_ws(const BwdParams p) {
-    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, 64, STAGES, true>;
+    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, 64, STAGES, true, ADDS_DQ>;
+    static_assert(!ADDS_DQ || HEAD_DIM == 64, "dq's partial sums fit beside dk and dv at head dim 64");
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
     constexpr int STEP = Cfg::STEP, S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
@@ -148,7 +182,8 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     registers_claim<Cfg::CONSUMER_REGS>();
     const int consumer = int(threadIdx.x) / 128 - 1;                       // 0 or 1
     const int group_row0 = consumer * 64;                                  // this warpgroup's keys
-    const int warp_row0 = group_row0 + (int(threadIdx.x) / 32 % 4) * 16;   // this warp's
+    const int warp = int(threadIdx.x) / 32 % 4;
+    const int warp_row0 = group_row0 + warp * 16;                          // this warp's
     const float scale_log2 = p.scale_log2;
 
     float acc_dk[1][D_TILES][4], acc_dv[1][D_TILES][4];
@@ -158,6 +193,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         mbarrier_wait(buf.ring.resident_full(), 0);
     }
     int mb = steps.mb_begin;   // the query block of step j
+    auto at = steps.first();   // (ADDS_DQ) step j's rows
     for (int j = 0; j < steps.count; ++j) {
         const auto stage = buf.wait_step(j);
         const u32 q_st = stage.q, do_st = stage.dout;
@@ -187,16 +223,34 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
         transposed_ds(dpt, st, stage.delta);
         to_a_fragments<T>(dsa, dpt);
+        const u32 ds_tile = buf.ds + u32(2 * consumer + (j & 1)) * Cfg::DsTile::BYTES;
+        if (ADDS_DQ) {
+            store_transposed(ds_tile, dsa, warp_row0 - group_row0);
+            fence_async_shared();
+            named_barrier_sync(u32(1 + consumer), 128);   // the warpgroup's ds^T, before wgmma reads it
+        }
+        float dq_part[1][D_TILES][4];
         pin_registers(acc_dk);
         pin_registers(dsa);
         wgmma_fence();
         wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dk[0], dsa, q_st);
+        if (ADDS_DQ) wgmma_smem_cols<T, RTile, HEAD_DIM, STEP / 16>(dq_part[0], ds_tile, buf.k + group_row0 * 128);
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(acc_dv);
         pin_registers(acc_dk);
         buf.release(j);   // this warpgroup's last read of the stage is done
+        if (ADDS_DQ) {
+            pin_registers(dq_part);
+            // whole chunks of rows only (the host sends rows in multiples of 16, width HEAD_DIM)
+            const bool rows_there = at.m0 + warp * 16 + 16 <= nq && p.d == HEAD_DIM;
+            add_dq_chunk(static_cast<float*>(p.dq) + (steps.row(at) + warp * 16) * HEAD_DIM,
+                         buf.dq_chunks + u32(((consumer * 4 + warp) * 2 + (j & 1)) * Cfg::DQ_CHUNK_BYTES),
+                         dq_part, j, rows_there);
+            steps.advance(at);
+        }
     }
+    if (ADDS_DQ && threadIdx.x % 32 == 0) bulk_wait_group<0, false>();   // the adds done before the block ends
 
     store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, 0);
     store_key_gradient<T>(p, w, n0, true, acc_dv, warp_row0, 0);

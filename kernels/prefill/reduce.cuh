@@ -28,4 +28,21 @@ __global__ void __launch_bounds__(256) sum_parts(const void* partial, void* tota
     }
 }
 
+// dq = sums * scale in dq's type, from the float32 sums that the Hopper dk/dv pass added
+// up (attn_bwd_sm90_ws.cuh: add_dq_chunk), whose every 16 rows hold a warpgroup MMA
+// accumulator's order, [column tile of 8][lane][4]: lane l's four are rows l / 4 and
+// l / 4 + 8, columns 2 (l % 4) and the next; put back in row order here.
+template <class T, int HEAD_DIM>
+__global__ void __launch_bounds__(256) scale_dq_sums(const float* sums, void* dq, float scale, index_t pairs) {
+    using Storage = typename T::storage;
+    Storage* o = static_cast<Storage*>(dq);
+    for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs; i += index_t(gridDim.x) * blockDim.x) {
+        const float2 x = reinterpret_cast<const float2*>(sums)[i];
+        const index_t chunk = 2 * i / (16 * HEAD_DIM);
+        const int r = int(2 * i % (16 * HEAD_DIM)), column_tile = r / 128, lane = r % 128 / 4, e = r % 4;
+        const index_t at = (chunk * 16 + lane / 4 + 8 * (e / 2)) * HEAD_DIM + column_tile * 8 + 2 * (lane % 4);
+        Store<T>::pair(o + at, x.x * scale, x.y * scale);
+    }
+}
+
 }  // namespace cuflash
