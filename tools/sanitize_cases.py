@@ -12,8 +12,9 @@ not a multiple of 8 (59 and 13, zero-padded into copies); packed variable-length
 (forward blocks that run several tiles each), the Hopper forward's longer tiles (three
 computing warpgroups, 176-key blocks, head dim 256 through maps) and packed calls with
 bad offsets under check=False (the backward given initialized out and lse, since rows no
-sequence owns are left unwritten by the forward). Each case runs the forward and the
-backward (attention_vjp).
+sequence owns are left unwritten by the forward), and the backward with deterministic=False
+where it adds dq up in the dk/dv pass. Each case runs the forward and the backward
+(attention_vjp).
 
 CuPy's memory pool is switched off, so that every array is its own cudaMalloc: memcheck
 then sees an access past the end of any array, and initcheck a read of bytes nothing
@@ -38,9 +39,9 @@ def randn(shape, dtype):
     return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
 
 
-def run_case(label, q, k, v, **mask):
+def run_case(label, q, k, v, deterministic=True, **mask):
     """Forward and backward; True when out, dq, dk and dv are all finite."""
-    out, vjp = cuflash.attention_vjp(q, k, v, **mask)
+    out, vjp = cuflash.attention_vjp(q, k, v, deterministic=deterministic, **mask)
     grads = vjp(randn(out.shape, q.dtype))
     cupy.cuda.Device().synchronize()
     bad = [
@@ -102,6 +103,8 @@ for mask in ({"causal": True}, {"window": (300, 20)}):
     q = randn((1, 2, 2100, 64), "bfloat16")
     k, v = randn((1, 2, 2050, 64), "bfloat16"), randn((1, 2, 2050, 64), "bfloat16")
     ok &= run_case(f"bfloat16 D=64 Nq=2100 Nk=2050 {mask}", q, k, v, **mask)
+    # and with dq added up by that pass (deterministic=False: rows in multiples of 16)
+    ok &= run_case(f"bfloat16 D=64 Nq=2064 Nk=2050 {mask} any order", q[:, :, :2064], k, v, False, **mask)
 
 # the Hopper forward's longer tiles: three computing warpgroups at D = 64 from 2048 keys,
 # 176-key blocks at D = 128 under a causal mask from 8192 keys, D = 256 through maps
