@@ -110,20 +110,13 @@ template <class T, int N> __device__ void wgmma_ss_nb(float (&d)[N / 8][4], u64 
 #define CUFLASH_ACC_256 CUFLASH_ACC8(0), CUFLASH_ACC8(8), CUFLASH_ACC8(16), CUFLASH_ACC8(24)
 
 // REGS: the accumulator operand list; A, B, SCALE: the operand numbers after it.
-#define CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, N, REGS, A, B, SCALE)                                          \
-    template <> __device__ __forceinline__ void wgmma_ss<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b,     \
-                                                                  int scale_d) {                          \
+// CUFLASH_WGMMA_SS: NAME wgmma_ss (B K-major, TRANS_B "0") or wgmma_ss_nb (N-major, "1").
+#define CUFLASH_WGMMA_SS(NAME, TRANS_B, TYPE, PTX_TYPE, N, REGS, A, B, SCALE)                           \
+    template <> __device__ __forceinline__ void NAME<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b,         \
+                                                              int scale_d) {                              \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                    \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "           \
-                     "{" REGS "}, " A ", " B ", p, 1, 1, 0, 0;\n}\n"                                      \
-                     : CUFLASH_ACC_##N : "l"(a), "l"(b), "r"(scale_d));                                  \
-    }
-#define CUFLASH_WGMMA_SS_NB(TYPE, PTX_TYPE, N, REGS, A, B, SCALE)                                       \
-    template <> __device__ __forceinline__ void wgmma_ss_nb<TYPE, N>(float (&d)[N / 8][4], u64 a, u64 b,  \
-                                                                     int scale_d) {                       \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                    \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "           \
-                     "{" REGS "}, " A ", " B ", p, 1, 1, 0, 1;\n}\n"                                      \
+                     "{" REGS "}, " A ", " B ", p, 1, 1, 0, " TRANS_B ";\n}\n"                            \
                      : CUFLASH_ACC_##N : "l"(a), "l"(b), "r"(scale_d));                                  \
     }
 #define CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, N, REGS, A, B, SCALE)                                          \
@@ -135,16 +128,16 @@ template <class T, int N> __device__ void wgmma_ss_nb(float (&d)[N / 8][4], u64 
                      : CUFLASH_ACC_##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b),             \
                        "r"(scale_d));                                                                     \
     }
-#define CUFLASH_WGMMA_ALL(TYPE, PTX_TYPE)                                                                          \
-    CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 32, CUFLASH_R0_15, "%16", "%17", "%18")                                        \
-    CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32", "%33", "%34")                                        \
-    CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 80, CUFLASH_R0_31 ", " CUFLASH_R32_39, "%40", "%41", "%42")                    \
-    CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64", "%65", "%66")                   \
-    CUFLASH_WGMMA_SS(TYPE, PTX_TYPE, 176, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_87, "%88", "%89", "%90") \
-    CUFLASH_WGMMA_SS_NB(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32", "%33", "%34")                                     \
-    CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32, %33, %34, %35", "%36", "%37")                         \
-    CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64, %65, %66, %67", "%68", "%69")    \
-    CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 256, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_127,                  \
+#define CUFLASH_WGMMA_ALL(TYPE, PTX_TYPE)                                                                              \
+    CUFLASH_WGMMA_SS(wgmma_ss, "0", TYPE, PTX_TYPE, 32, CUFLASH_R0_15, "%16", "%17", "%18")                            \
+    CUFLASH_WGMMA_SS(wgmma_ss, "0", TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32", "%33", "%34")                            \
+    CUFLASH_WGMMA_SS(wgmma_ss, "0", TYPE, PTX_TYPE, 80, CUFLASH_R0_31 ", " CUFLASH_R32_39, "%40", "%41", "%42")        \
+    CUFLASH_WGMMA_SS(wgmma_ss, "0", TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64", "%65", "%66")       \
+    CUFLASH_WGMMA_SS(wgmma_ss, "0", TYPE, PTX_TYPE, 176, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_87, "%88", "%89", "%90") \
+    CUFLASH_WGMMA_SS(wgmma_ss_nb, "1", TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32", "%33", "%34")                         \
+    CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32, %33, %34, %35", "%36", "%37")                            \
+    CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64, %65, %66, %67", "%68", "%69")       \
+    CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 256, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_127,                      \
                      "%128, %129, %130, %131", "%132", "%133")
 
 CUFLASH_WGMMA_ALL(f16, "f16")
