@@ -5,8 +5,9 @@
 
 The inputs have the grid's shape (batch 16384/N, heads 2048/D). Without a profiler it
 prints each direction's median time, so it also works as a quick check of one cell.
-``--impl torch-cudnn`` runs torch SDPA's cuDNN backend on the same inputs instead (the
-backward through autograd), to set the rival's kernels beside cuflash's in the profiler.
+``--impl cuflash-any`` runs cuflash's backward with ``deterministic=False``; ``--impl
+torch-cudnn`` runs torch SDPA's cuDNN backend on the same inputs instead (the backward
+through autograd), to set the rival's kernels beside cuflash's in the profiler.
 """
 
 from __future__ import annotations
@@ -36,25 +37,28 @@ def main():
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--impl", choices=("cuflash", "torch-cudnn"), default="cuflash",
-                    help="whose kernels run (default: cuflash)")
+    ap.add_argument("--impl", choices=("cuflash", "cuflash-any", "torch-cudnn"), default="cuflash",
+                    help="whose kernels run (default: cuflash; cuflash-any: its backward with deterministic=False)")
     args = ap.parse_args()
     n, d = args.seqlen, args.head_dim
     b, h = 16384 // n, 2048 // d
     rng = cupy.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(args.dtype) for _ in range(4))
     flops = 4 * b * h * n * n * d / (2 if args.causal else 1)
-    fwd, bwd = (cuflash_calls if args.impl == "cuflash" else cudnn_calls)(q, k, v, do, args.causal)
+    if args.impl == "torch-cudnn":
+        fwd, bwd = cudnn_calls(q, k, v, do, args.causal)
+    else:
+        fwd, bwd = cuflash_calls(q, k, v, do, args.causal, args.impl == "cuflash")
     for name, fn, work in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
         ms = ba.median_ms(fn, [()], args.repeat)
         print(f"{name} N={n} D={d} causal={args.causal:d} {args.dtype} {args.impl}: {ms:8.3f} ms "
               f"{work / ms / 1e9:6.1f} TFLOP/s")
 
 
-def cuflash_calls(q, k, v, do, causal):
+def cuflash_calls(q, k, v, do, causal, deterministic=True):
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     return (lambda: cuflash.attention(q, k, v, causal=causal),
-            lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal))
+            lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=deterministic))
 
 
 def cudnn_calls(q, k, v, do, causal):
