@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import types
 
-import numpy as np
-
 from . import _checks, _dispatch, _launch, _plans
 
 _CURRENT = contextlib.nullcontext()
@@ -153,8 +151,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     cuflash.reference.attention_backward : the NumPy float64 version.
     """
     orig = (q, k, v)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    _checks.check_flag("deterministic", deterministic)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
                                                                    packed, bool(deterministic))

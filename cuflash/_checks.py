@@ -64,6 +64,12 @@ def sum_to_shape(x, shape):
     return x.reshape(shape)
 
 
+def check_flag(name: str, value) -> None:
+    """A keyword that must be a bool (NumPy's included)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_scale(scale, d: int) -> float:
     """The softmax scale: ``1/sqrt(d)`` by default, else a finite real number."""
     if scale is None:
@@ -239,8 +245,7 @@ def packed_inputs(cupy, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return None
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k go together: give both or neither")
-    if not isinstance(check, (bool, np.bool_)):
-        raise TypeError(f"check must be True or False, got {check!r}")
+    check_flag("check", check)
     check_cupy(cupy, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != np.int32 or cu.ndim != 1 or cu.size < 1:

@@ -22,7 +22,7 @@ import numbers
 import numpy as np
 
 from ._checks import (
-    check_scale, check_shapes, host_cache_seqlens, kvcache_lengths, packed_sequences, sum_to_shape,
+    check_flag, check_scale, check_shapes, host_cache_seqlens, kvcache_lengths, packed_sequences, sum_to_shape,
 )
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
 
@@ -357,8 +357,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     --------
     cuflash.attention_backward : the same on the GPU, for CuPy arrays.
     """
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    check_flag("deterministic", deterministic)
     left, right = normalize_window(causal, window)
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
     nq, dv_dim = q.shape[-2], v.shape[-1]
