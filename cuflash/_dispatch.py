@@ -52,15 +52,15 @@ def scale_dq_sums(sums, dq, scale: float) -> None:
     dk/dv pass added up in its accumulators' order (kernels/prefill/reduce.cuh)."""
     pairs = sums.size // 2
     if pairs:
-        fn = _compile.get_function(scale_dq_sums_name(dq.dtype.name), 0)
+        fn = _compile.get_function(scale_dq_sums_name(dq.dtype.name, dq.shape[-1]), 0)
         fn((min(-(-pairs // 256), 8 * sm_count()),), (256,), (sums, dq, np.float32(scale), np.int64(pairs)))
 
 
 def _dq_in_any_order(x) -> bool:
     """Whether the dk/dv pass may add dq up for this call (deterministic=False): it adds
-    whole chunks of 16 rows of 64 columns, so dense calls whose rows come in multiples
-    of 16, with head dim 64 for q, k and v."""
-    return x.packed is None and x.nq % 16 == 0 and x.d == x.dv == 64
+    whole chunks of 16 rows of the head dim, so dense calls whose rows come in multiples
+    of 16, with head dim 64 or 128 for q, k and v."""
+    return x.packed is None and x.nq % 16 == 0 and x.d == x.dv and x.d in (64, 128)
 
 
 def _row_blocks(x, block: int, by_keys: bool, entries: int):

@@ -298,7 +298,7 @@ class Sm90BwdTiles:
     # the same for the dq pass (attn_bwd_dq_sm90_ws: 128 queries, steps of the dq step)
     dq_ws_stages: int = 0
     # dq added up in float32 by the dk/dv pass on a loading warpgroup, in any order
-    # (deterministic=False; no dq pass): head dim 64
+    # (deterministic=False; no dq pass): head dims 64 and 128
     dkdv_adds_dq: bool = False
 
     @property
@@ -339,8 +339,8 @@ class Sm90BwdTiles:
             return (self._ws_smem_bytes(64, self.step, self.dkdv_ws_stages, itemsize, row_stats=True)
                     + 64 * self.step * 4)
         if self.dkdv_ws_stages:   # steps of 64 queries with their lse and delta (adding dq up: four 64 x 64
-            # tiles of ds^T, and two float32 chunks of 16 dq rows per computing warp)
-            ds = (4 * 64 * 64 * itemsize + 16 * 16 * self.head_dim * 4) if self.dkdv_adds_dq else 0
+            # tiles of ds^T, and a float32 chunk of 16 dq rows per warp of a warpgroup)
+            ds = (4 * 64 * 64 * itemsize + 4 * 16 * self.head_dim * 4) if self.dkdv_adds_dq else 0
             return self._ws_smem_bytes(128, 64, self.dkdv_ws_stages, itemsize, row_stats=True) + ds
         if not self.wide_dkdv:
             return self._smem_bytes(self.resident, self.step, self.stages, itemsize)
@@ -364,16 +364,19 @@ class Sm90BwdTiles:
         return 1024 + tiles * self.head_dim * itemsize + 2 * stages * step * 4
 
 
-# Query rows from which the dk/dv pass at head dim 64 takes the loading warpgroup
+# Query rows from which the dk/dv pass at head dim 64 takes the loading warpgroup, and from
+# which (deterministic=False) the pass adds dq up at head dims 64 and 128
 SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 
 
 def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_MIN_QUERIES_D64,
                    deterministic: bool = True) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
-    None (as sm90_fwd_tiles). Not deterministic: where the dk/dv pass runs on a loading
-    warpgroup at head dim 64, it adds dq up too (no dq pass: 1.05-1.20x the deterministic
-    backward, bench/NOTES.md v34); elsewhere the same tiles.
+    None (as sm90_fwd_tiles). Not deterministic: from 2048 query rows at head dims 64 and
+    128, the dk/dv pass on a loading warpgroup adds dq up too (no dq pass; bench/NOTES.md
+    v35: 1.06-1.27x the deterministic backward at 64, 0.99-1.13x at 128 with three stages
+    of queries, which fit there once the pass keeps no dq pass's buffers); elsewhere the
+    same tiles.
 
     At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
     two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128
@@ -384,6 +387,7 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
         return None
     if head_dim == 256:
         return Sm90BwdTiles(256, 256, 256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
+    adds_dq = not deterministic and queries >= SM90_WS_BWD_MIN_QUERIES_D64
     if head_dim == 64:
         # by measurement (bench/NOTES.md v8): one warpgroup per block and two blocks
         # per SM, with no barrier between them, so one block's exponentials run
@@ -391,11 +395,13 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
         # next step (3 stages); dq over 128 keys per step
         ws = 4 if queries >= SM90_WS_BWD_MIN_QUERIES_D64 else 0
         return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
-                            dkdv_ws_stages=ws, dkdv_adds_dq=bool(ws) and not deterministic)
-    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90);
+                            dkdv_ws_stages=ws, dkdv_adds_dq=adds_dq)
+    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90;
+    # the dk/dv pass on a loading warpgroup gains nothing from three, v35, unless it adds dq up);
     # at head dim 128 the dq pass over 128 keys a step (1.00-1.10x 64, bench/NOTES.md v20)
-    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2,
-                        dq_ws_stages=2, dq_step=128 if head_dim == 128 else 0)
+    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2,
+                        dkdv_ws_stages=3 if adds_dq else 2, dq_ws_stages=2, dq_step=128 if head_dim == 128 else 0,
+                        dkdv_adds_dq=adds_dq)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -> tuple[str, str]:
@@ -445,7 +451,7 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                         tiles = sm90_bwd_tiles(dt, hd, queries, deterministic)
                         bwd = sm90_bwd_names(dt, tiles, packed)
                         if tiles.dkdv_adds_dq:   # then delta runs first, and the sums are scaled and rounded
-                            bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt))
+                            bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt, hd))
                         names.extend(n for n in bwd if n not in names)
                 else:
                     names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
@@ -462,8 +468,8 @@ def sum_parts_name(dtype_name: str) -> str:
     return f"cuflash::sum_parts<{ELEMENT_TYPES[dtype_name][0]}>"
 
 
-def scale_dq_sums_name(dtype_name: str) -> str:
-    return f"cuflash::scale_dq_sums<{ELEMENT_TYPES[dtype_name][0]}, 64>"
+def scale_dq_sums_name(dtype_name: str, head_dim: int) -> str:
+    return f"cuflash::scale_dq_sums<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}>"
 
 
 def delta_name(dtype_name: str) -> str:

@@ -171,15 +171,15 @@ def _dq_pass_runs(plan) -> bool:
     return plan.launches.dq_sums is None
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 64), ("float16", 128), ("bfloat16", 128)])
 @pytest.mark.parametrize(
     "q_shape, k_shape, mask",
     # the loading-warpgroup cases with rows in multiples of 16 (those the pass adds up)
     [((1, 3, 704), (1, 3, 1300), {"causal": True}), ((1, 2, 1008), (1, 2, 777), {"causal": True}),
      ((2, 1, 528), (2, 1, 1500), {"window": (100, 50)})] + LOADING_WARPGROUP_CASES[3:],
 )
-def test_dq_added_up_by_the_dkdv_pass(monkeypatch, dtype, q_shape, k_shape, mask):
-    """deterministic=False on Hopper at head dim 64: attn_bwd_dkdv_sm90_ws adds dq up in
+def test_dq_added_up_by_the_dkdv_pass(monkeypatch, dtype, d, q_shape, k_shape, mask):
+    """deterministic=False on Hopper at head dims 64 and 128: attn_bwd_dkdv_sm90_ws adds dq up in
     float32 and no dq pass runs, here also at lengths where the default would not take it
     (the tiles of 4096 queries forced)."""
     from cuflash import _compile, _dispatch, _plans
@@ -191,11 +191,11 @@ def test_dq_added_up_by_the_dkdv_pass(monkeypatch, dtype, q_shape, k_shape, mask
         dt, hd, 4096, deterministic))
     _plans.clear()
     try:
-        rng = np.random.default_rng(len(q_shape) + 3 * len(mask) + q_shape[-1])
-        q = random_array(rng, q_shape + (64,), dtype, 4.0)
-        k, v = (random_array(rng, k_shape + (64,), dtype) for _ in range(2))
+        rng = np.random.default_rng(len(q_shape) + 3 * len(mask) + q_shape[-1] + d)
+        q = random_array(rng, q_shape + (d,), dtype, 4.0)
+        k, v = (random_array(rng, k_shape + (d,), dtype) for _ in range(2))
         batch = np.broadcast_shapes(q_shape[:-1], k_shape[:-1])
-        dout = random_array(rng, batch + (q_shape[-1], 64), dtype)
+        dout = random_array(rng, batch + (q_shape[-1], d), dtype)
         check_backward(q, k, v, dout, deterministic=False, **mask)
         out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
         plan, _ = _plans.backward(dout, q, k, v, out, lse, mask.get("causal", False), mask.get("window"), None,
@@ -208,13 +208,14 @@ def test_dq_added_up_by_the_dkdv_pass(monkeypatch, dtype, q_shape, k_shape, mask
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_not_deterministic_where_it_runs_by_default(dtype, causal):
-    """deterministic=False as a user calls it: from 2048 queries at head dim 64 the dk/dv pass
-    adds dq up on Hopper; dk and dv are the same from call to call."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_not_deterministic_where_it_runs_by_default(dtype, causal, d):
+    """deterministic=False as a user calls it: at head dim 128, and from 2048 queries at head
+    dim 64, the dk/dv pass adds dq up on Hopper; dk and dv are the same from call to call."""
     from cuflash import _compile, _plans
 
-    rng = np.random.default_rng(11 + causal)
-    q, k, v, dout = (random_array(rng, (1, 2, 2048, 64), dtype, 3.0) for _ in range(4))
+    rng = np.random.default_rng(11 + causal + d)
+    q, k, v, dout = (random_array(rng, (1, 2, 2048, d), dtype, 3.0) for _ in range(4))
     dq, dk, dv = check_backward(q, k, v, dout, deterministic=False, causal=causal)
     out, lse = cuflash.attention(q, k, v, return_lse=True, causal=causal)
     again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=False)

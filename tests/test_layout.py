@@ -57,7 +57,7 @@ def test_hopper_specializations_fit_shared_memory():
     assert two_level and not two_level & portable
     assert {n.replace(", true>", ", false>") for n in two_level} <= portable
     # and the rounding of dq's float32 sums, which only Hopper's dk/dv pass adds up
-    sums = {_tiles.scale_dq_sums_name(dt) for dt in ("float16", "bfloat16")}
+    sums = {_tiles.scale_dq_sums_name(dt, hd) for dt in ("float16", "bfloat16") for hd in (64, 128)}
     assert sums <= set(names) and not sums & portable
     assert {n for n in names if "_sm90" not in n} - two_level - sums < portable
     for dt in ("float16", "bfloat16"):
@@ -82,16 +82,19 @@ def test_hopper_specializations_fit_shared_memory():
                         tiles = _tiles.sm90_bwd_tiles(dt, hd, queries)
                         assert set(_tiles.sm90_bwd_names(dt, tiles, packed)) <= set(names)
                         assert tiles.dkdv_smem_bytes(2) <= 232448
-                        # not deterministic: the dk/dv pass on a loading warpgroup adds dq up at head dim 64
+                        # not deterministic: the dk/dv pass on a loading warpgroup adds dq up at head dims 64 and 128
                         anyorder = _tiles.sm90_bwd_tiles(dt, hd, queries, False)
-                        assert anyorder.dkdv_adds_dq == (hd == 64 and queries >= 2048)
-                        assert anyorder == (dataclasses.replace(tiles, dkdv_adds_dq=True) if anyorder.dkdv_adds_dq
-                                            else tiles)
+                        assert anyorder.dkdv_adds_dq == (hd in (64, 128) and queries >= 2048)
+                        # (and at head dim 128 with three stages of queries)
+                        assert dataclasses.replace(anyorder, dkdv_adds_dq=False,
+                                                   dkdv_ws_stages=tiles.dkdv_ws_stages) == tiles
+                        assert anyorder.dkdv_ws_stages == (3 if anyorder.dkdv_adds_dq and hd == 128
+                                                           else tiles.dkdv_ws_stages)
                         assert anyorder.dkdv_smem_bytes(2) <= 232448
                         if not packed:   # (packed sequences always take the dq pass)
                             assert _tiles.sm90_bwd_names(dt, anyorder, packed)[0] in names
                         if anyorder.dkdv_adds_dq:
-                            assert {_tiles.delta_name(dt), _tiles.scale_dq_sums_name(dt)} <= set(names)
+                            assert {_tiles.delta_name(dt), _tiles.scale_dq_sums_name(dt, hd)} <= set(names)
                 ws = _tiles.sm90_ws_fwd_tiles(dt, hd, 5000)
                 assert (ws is not None) == (hd in (64, 128, 256))
                 assert (_tiles.sm90_ws_fwd_tiles(dt, hd, 100) is not None) == (hd in (128, 256))

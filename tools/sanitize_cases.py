@@ -105,6 +105,10 @@ for mask in ({"causal": True}, {"window": (300, 20)}):
     ok &= run_case(f"bfloat16 D=64 Nq=2100 Nk=2050 {mask}", q, k, v, **mask)
     # and with dq added up by that pass (deterministic=False: rows in multiples of 16)
     ok &= run_case(f"bfloat16 D=64 Nq=2064 Nk=2050 {mask} any order", q[:, :, :2064], k, v, False, **mask)
+# and at head dim 128 (three stages of queries there; a strided view, grouped queries 2:1)
+q = randn((1, 1, 2, 2080, 128), "float16")
+k, v = randn((1, 1, 1, 2050, 128), "float16"), randn((1, 1, 1, 2050, 128), "float16")
+ok &= run_case("float16 D=128 Nq=2064 Nk=2050 GQA 2:1 causal any order", q[..., :2064, :], k, v, False, causal=True)
 
 # the Hopper forward's longer tiles: three computing warpgroups at D = 64 from 2048 keys,
 # 176-key blocks at D = 128 under a causal mask from 8192 keys, D = 256 through maps

@@ -135,6 +135,7 @@ template <class T, int N> __device__ void wgmma_ss_nb(float (&d)[N / 8][4], u64 
     CUFLASH_WGMMA_SS(wgmma_ss, "0", TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64", "%65", "%66")       \
     CUFLASH_WGMMA_SS(wgmma_ss, "0", TYPE, PTX_TYPE, 176, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_87, "%88", "%89", "%90") \
     CUFLASH_WGMMA_SS(wgmma_ss_nb, "1", TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32", "%33", "%34")                         \
+    CUFLASH_WGMMA_SS(wgmma_ss_nb, "1", TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64", "%65", "%66")    \
     CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 64, CUFLASH_R0_31, "%32, %33, %34, %35", "%36", "%37")                            \
     CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 128, CUFLASH_R0_31 ", " CUFLASH_R32_63, "%64, %65, %66, %67", "%68", "%69")       \
     CUFLASH_WGMMA_RS(TYPE, PTX_TYPE, 256, CUFLASH_R0_31 ", " CUFLASH_R32_63 ", " CUFLASH_R64_127,                      \
@@ -171,14 +172,16 @@ __device__ __forceinline__ void wgmma_regs_cols(float (&d)[N / 8][4], const u32 
     for (int j = 0; j < K_STEPS; ++j) wgmma_rs<T, N>(d, a[j], b + u32(j * 16 * 128 >> 4), 1);
 }
 
-// d = A . B with A (64 rows from s_a, K_STEPS x 16 columns, stored one row per output
-// row) and B read down its rows as in wgmma_regs_cols (ds k, ds from shared memory).
-template <class T, class BTile, int N, int K_STEPS>
+// d = A . B (d += A . B with ACCUMULATE) with A (64 rows from s_a, K_STEPS x 16 columns,
+// stored one row per output row) and B read down its rows as in wgmma_regs_cols (ds k,
+// ds from shared memory).
+template <class T, class BTile, int N, int K_STEPS, bool ACCUMULATE = false>
 __device__ __forceinline__ void wgmma_smem_cols(float (&d)[N / 8][4], u32 s_a, u32 s_b) {
     static_assert(K_STEPS <= 4, "A within one 64-column panel");
     const u64 a = smem_descriptor(s_a, 16, 1024), b = smem_descriptor(s_b, BTile::PANEL_BYTES, 1024);
 #pragma unroll
-    for (int j = 0; j < K_STEPS; ++j) wgmma_ss_nb<T, N>(d, a + u32(j * 32 >> 4), b + u32(j * 16 * 128 >> 4), j);
+    for (int j = 0; j < K_STEPS; ++j)
+        wgmma_ss_nb<T, N>(d, a + u32(j * 32 >> 4), b + u32(j * 16 * 128 >> 4), ACCUMULATE || j > 0);
 }
 
 // The transpose of a warpgroup's A fragments into a 64-row, one-panel tile at s_tile:

@@ -145,8 +145,9 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 2
 // and an empty mbarrier. ROW_STATS: each stage also holds its query rows' lse and
 // delta (the dk/dv passes). The D 128 dk/dv pass needs 240 registers per computing
 // thread (it spills at 216). ADDS_DQ: a dk/dv pass that adds dq up as well, with four
-// 64 x 64 tiles of ds^T (two per computing warpgroup, by step) and two float32 chunks of
-// 16 dq rows per computing warp (by step), which the copy engine adds into global memory.
+// 64 x 64 tiles of ds^T (one per computing warpgroup and step parity) and a float32 chunk
+// of 16 dq rows per warp position, which the copy engine adds into global memory (at head
+// dim 128 with three stages: 231 KB in all).
 template <class T, int HEAD_DIM_, int RESIDENT_, int STEP_, int STAGES_, bool ROW_STATS, bool ADDS_DQ = false>
 struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
     using Storage = typename T::storage;
@@ -160,7 +161,7 @@ struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
     using DsTile = PanelTile<Storage, 64, 64>;
     static constexpr int DS_BYTES = ADDS_DQ ? 4 * DsTile::BYTES : 0;
     static constexpr int DQ_CHUNK_BYTES = 16 * HEAD_DIM * 4;
-    static constexpr int DQ_CHUNKS = ADDS_DQ ? 2 * 8 : 0;
+    static constexpr int DQ_CHUNKS = ADDS_DQ ? 4 : 0;
     // barriers: the resident tiles full; per stage, step full and empty
     static constexpr int BARRIERS = 1 + 2 * STAGES;
     static constexpr int ROW_STATS_BYTES = ROW_STATS ? 2 * STAGES * STEP * 4 : 0;

@@ -40,7 +40,7 @@ struct StepRing {
 template <class Cfg>
 struct DkdvSmem {
     u32 k, v, q, dout;
-    u32 ds, dq_chunks;       // (Cfg::ADDS_DQ) ds^T tiles; per computing warp and step % 2, its 16 rows of dq
+    u32 ds, dq_chunks;       // (Cfg::ADDS_DQ) ds^T tiles; per warp of a computing warpgroup, 16 rows of dq
     u32 lse, delta;
     StepRing<Cfg::STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring;
     const float* lse_rows;   // lse, then delta, as the computing threads read them
@@ -124,42 +124,50 @@ __device__ __forceinline__ bool run_dkdv_loads(const BwdParams& p, const Work& w
     return true;
 }
 
-// A warp's 16 rows of a step's dq partial sum, added into the float32 sums at g by the
-// copy engine: staged in the accumulator's order (lane l's four floats of a column tile
-// side by side with the other lanes': no bank conflicts), so that the sums hold each
-// 16-row chunk in that order ([column tile][lane][4]; scale_dq_sums puts it back). One of
-// two chunks, by step: the bulk add of step j - 2, the chunk's last, has read it before
-// it is written again. Each step commits a group, empty when the rows are not there.
+// A warp's 16 rows of a step's dq, added into the float32 sums at g by the copy engine:
+// staged in the accumulator's order (lane l's four floats of a column tile side by side
+// with the other lanes': no bank conflicts), so that the sums hold each 16-row chunk in
+// that order ([column tile][lane][4]; scale_dq_sums puts it back). The chunk is warp w's
+// of either computing warpgroup: the other's add from it, a step back, has been read
+// (wait_dq_chunk_read before that warpgroup's barrier), and so has this warp's own.
 template <int D_TILES>
-__device__ __forceinline__ void add_dq_chunk(float* g, u32 chunk, const float (&part)[1][D_TILES][4], int j,
-                                             bool rows_there) {
+__device__ __forceinline__ void add_dq_chunk(float* g, u32 chunk, const float (&part)[1][D_TILES][4], bool rows_there) {
     const int lane = int(threadIdx.x) % 32;
-    if (lane == 0 && j >= 2) bulk_wait_group<1, true>();
-    __syncwarp();
 #pragma unroll
     for (int dt = 0; dt < D_TILES; ++dt)
         st_shared_v4(chunk + u32((dt * 32 + lane) * 16), part[0][dt][0], part[0][dt][1], part[0][dt][2],
                      part[0][dt][3]);
     fence_async_shared();   // the stores (generic proxy) before the copy engine reads them
     __syncwarp();
-    if (lane == 0) {
-        if (rows_there) bulk_add_f32(g, chunk, u32(16 * D_TILES * 8 * 4));
+    if (lane == 0 && rows_there) {
+        bulk_add_f32(g, chunk, u32(16 * D_TILES * 8 * 4));
         bulk_commit_group();
     }
 }
 
-// ADDS_DQ (deterministic=False, head dim 64): each computing warpgroup also forms dq's
-// partial sum over its 64 keys, ds k: ds^T goes transposed into shared memory (one of two
-// tiles per warpgroup, by step; the warpgroup's named barrier 1 + consumer before the
-// product orders a step's writes after the reads two steps back) and wgmma reads it with
-// K. Each warp adds its 16 rows into float32 p.dq (dq's shape, unscaled) by add_dq_chunk;
-// both warpgroups add to the same rows, in whatever order. No dq pass runs: a delta
-// launch comes first, and scale_dq_sums after.
+// The warp's last add_dq_chunk has read its chunk (so the other warpgroup may write it).
+__device__ __forceinline__ void wait_dq_chunk_read() {
+    if (threadIdx.x % 32 == 0) bulk_wait_group<0, true>();
+    __syncwarp();
+}
+
+// ADDS_DQ (deterministic=False, head dims 64 and 128): the pass also forms dq, ds k over
+// the block's 128 keys, one warpgroup a step in turn (step j: computing warpgroup j % 2),
+// while the other runs on into its next step's scores. Each warpgroup stores its ds^T
+// transposed into shared memory (a tile per warpgroup and step parity); the one whose turn
+// it is waits at named barrier 1 + j % 2 for both and reads them with K. Its accumulators
+// (64 x HEAD_DIM) live only from that product, issued once dk's is done, to the add, in
+// registers the scores have left. Each of its warps adds 16 rows into float32 p.dq (dq's
+// shape, unscaled) by add_dq_chunk, through a chunk per warp position that both warpgroups
+// use in turn: one add per step and block, blocks in whatever order. No dq pass runs: a
+// delta launch comes first, and scale_dq_sums after. (The other warpgroup writes its tile
+// of parity j % 2 again at step j + 2, having waited at step j + 1's barrier, where the
+// reader of step j arrives after its product.)
 template <class T, int HEAD_DIM, int STAGES, bool PACKED, bool ADDS_DQ>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, 64, STAGES, true, ADDS_DQ>;
-    static_assert(!ADDS_DQ || HEAD_DIM == 64, "dq's partial sums fit beside dk and dv at head dim 64");
+    static_assert(!ADDS_DQ || HEAD_DIM == 64 || HEAD_DIM == 128, "dq's sums fit beside dk and dv up to 128");
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
     constexpr int STEP = Cfg::STEP, S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
@@ -223,30 +231,42 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
         transposed_ds(dpt, st, stage.delta);
         to_a_fragments<T>(dsa, dpt);
-        const u32 ds_tile = buf.ds + u32(2 * consumer + (j & 1)) * Cfg::DsTile::BYTES;
+        const u32 ds_tiles = buf.ds + u32(2 * (j & 1)) * Cfg::DsTile::BYTES;   // (ADDS_DQ) step j's two
+        const bool forms_dq = ADDS_DQ && (j & 1) == consumer;
+        const u32 ds_barrier = 1u + u32(j & 1);
         if (ADDS_DQ) {
-            store_transposed(ds_tile, dsa, warp_row0 - group_row0);
-            fence_async_shared();
-            named_barrier_sync(u32(1 + consumer), 128);   // the warpgroup's ds^T, before wgmma reads it
+            store_transposed(ds_tiles + u32(consumer) * Cfg::DsTile::BYTES, dsa, warp_row0 - group_row0);
+            fence_async_shared();   // before wgmma reads it
+            if (!forms_dq) {
+                wait_dq_chunk_read();
+                named_barrier_arrive(ds_barrier, Cfg::CONSUMER_THREADS);
+            }
         }
-        float dq_part[1][D_TILES][4];
         pin_registers(acc_dk);
         pin_registers(dsa);
         wgmma_fence();
         wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dk[0], dsa, q_st);
-        if (ADDS_DQ) wgmma_smem_cols<T, RTile, HEAD_DIM, STEP / 16>(dq_part[0], ds_tile, buf.k + group_row0 * 128);
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(acc_dv);
         pin_registers(acc_dk);
         buf.release(j);   // this warpgroup's last read of the stage is done
         if (ADDS_DQ) {
-            pin_registers(dq_part);
-            // whole chunks of rows only (the host sends rows in multiples of 16, width HEAD_DIM)
-            const bool rows_there = at.m0 + warp * 16 + 16 <= nq && p.d == HEAD_DIM;
-            add_dq_chunk(static_cast<float*>(p.dq) + (steps.row(at) + warp * 16) * HEAD_DIM,
-                         buf.dq_chunks + u32(((consumer * 4 + warp) * 2 + (j & 1)) * Cfg::DQ_CHUNK_BYTES),
-                         dq_part, j, rows_there);
+            if (forms_dq) {
+                named_barrier_sync(ds_barrier, Cfg::CONSUMER_THREADS);   // both ds^T are there
+                float dq[1][D_TILES][4];
+                wgmma_fence();
+                wgmma_smem_cols<T, RTile, HEAD_DIM, STEP / 16>(dq[0], ds_tiles, buf.k);
+                wgmma_smem_cols<T, RTile, HEAD_DIM, STEP / 16, true>(dq[0], ds_tiles + Cfg::DsTile::BYTES,
+                                                                     buf.k + 64 * 128);
+                wgmma_commit();
+                wgmma_wait<0>();
+                pin_registers(dq);
+                // whole chunks of rows only (the host sends rows in multiples of 16, width HEAD_DIM)
+                const bool rows_there = at.m0 + warp * 16 + 16 <= nq && p.d == HEAD_DIM;
+                add_dq_chunk(static_cast<float*>(p.dq) + (steps.row(at) + warp * 16) * HEAD_DIM,
+                             buf.dq_chunks + u32(warp) * Cfg::DQ_CHUNK_BYTES, dq, rows_there);
+            }
             steps.advance(at);
         }
     }
