@@ -133,8 +133,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         The forward's results (``attention(..., return_lse=True)``).
     deterministic : bool
         False lets the dk/dv kernel add dq up in float32 in whatever order its
-        blocks finish, which saves the dq pass where that is faster: on Hopper
-        (sm_90a), head dim 64 (q, k and v), from 2048 query rows, a multiple of
+        blocks finish, which saves the dq pass: on Hopper (sm_90a), head dim 64
+        or 128 (the same for q, k and v), from 2048 query rows, a multiple of
         16, without packed sequences. dq may then differ between calls in its
         last bits; dk and dv do not. Elsewhere the deterministic kernels run.
 
