@@ -4,7 +4,8 @@
 
 Compiles each name expression (default: the float16 forward and backward kernels at head
 dims 64, 128 and 256, as cuflash/_tiles.py picks them) with NVRTC, disassembles the cubin
-with ``cuobjdump -sass`` (from the CUDA toolkit) and prints, per kernel: tensor-core MMAs
+with ``cuobjdump -sass`` (from the CUDA toolkit, or NVIDIA's ``nvidia-cuda-cuobjdump`` wheel on
+PyPI, whose ``nvidia/cu13/bin`` has it: no GPU needed) and prints, per kernel: tensor-core MMAs
 (HMMA), ldmatrix (LDSM), async copies (LDGSTS), exp2 (MUFU.EX2), float multiplies and FMAs,
 barriers, and local-memory traffic (LDL/STL, which must be 0). ``--dump`` keeps the SASS.
 """
@@ -95,7 +96,8 @@ def main():
     ap.add_argument("--dump", help="directory to write each kernel's SASS into")
     args = ap.parse_args()
     if not (shutil.which("cuobjdump") or shutil.which("nvdisasm")):
-        sys.exit("sass_report.py: needs cuobjdump or nvdisasm (from the CUDA toolkit) on the PATH")
+        sys.exit("sass_report.py: needs cuobjdump or nvdisasm on the PATH (from the CUDA toolkit, or "
+                 "pip install nvidia-cuda-cuobjdump: its nvidia/cu13/bin)")
     names = args.names or default_names()
     print("| kernel | " + " | ".join(("total",) + COUNTED) + " |")
     print("|---" * (len(COUNTED) + 2) + "|")
