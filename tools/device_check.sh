@@ -13,8 +13,9 @@
 #
 #   PACK=1 SANITIZE_TOOLS="memcheck synccheck" bash tools/device_check.sh OUT warm_cache pytest grid model_shapes sanitize
 #
-# One log per step in OUTDIR (NAME.txt), a line per step in OUTDIR/steps.txt as each ends; a
-# summary of each step is printed last. With PACK=1 the whole of OUTDIR then goes into one
+# PYTEST_WORKERS=N runs the suite in N processes on the one GPU (pytest-xdist, which the
+# device's image has). One log per step in OUTDIR (NAME.txt), a line per step in
+# OUTDIR/steps.txt as each ends; a summary of each step is printed last. With PACK=1 the whole of OUTDIR then goes into one
 # archive beside it, OUTDIR.tar.gz, and only steps.txt stays in OUTDIR: two files to bring back
 # from a machine that returns only a few.
 set -u -o pipefail
@@ -38,7 +39,15 @@ step() {   # step NAME COMMAND...: runs it, its output in OUTDIR/NAME.txt, and r
 # The steps, one function each (run_NAME); a step's name is its function's.
 run_cli() { bash -c "time $python -m cuflash && time $python -m cuflash --dtype bfloat16 --head-dim 59 --causal"; }
 run_warm_cache() { "$python" tools/warm_cache.py; }
-run_pytest() { "$python" -m pytest -q -rs tests; }
+run_pytest() {   # PYTEST_WORKERS=N: N processes (pytest-xdist), the BLAS threads shared among them
+    if [ -n "${PYTEST_WORKERS:-}" ]; then
+        local threads=$(( $(nproc) / PYTEST_WORKERS ))
+        OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads MKL_NUM_THREADS=$threads \
+            "$python" -m pytest -q -rs --durations=25 -n "$PYTEST_WORKERS" tests
+    else
+        "$python" -m pytest -q -rs --durations=25 tests
+    fi
+}
 run_long_sequence() { "$python" -m pytest -q -s tests/test_backward.py -k long_sequence; }
 run_sanitize() { bash tools/sanitize.sh "$out/sanitize_logs"; }
 run_float32_accuracy() { "$python" bench/float32_accuracy.py; }
