@@ -7,7 +7,10 @@
 #     d256-dq): its tests, agreement, memcheck and racecheck, speed of both forms against the
 #     default, cuDNN and FA2 (p_d256.py, N 4096 and 16K), and cuDNN's D 256 backward kernel
 #     with its SASS and stall samples.
+# SECTIONS (default "race d256 ncu"): which of the three parts to run, e.g. SECTIONS="d256".
 export PYTHONUNBUFFERED=1
+SECTIONS=${SECTIONS:-race d256 ncu}
+on() { [[ " $SECTIONS " == *" $1 "* ]]; }
 R=$PWD/bench/results
 P61=$R/h200-2026-12-04-dq-alternating/p61.py P256=$R/h200-2026-12-05-d256-dq/p_d256.py
 SHIPPED=$PWD
@@ -20,6 +23,7 @@ tree() {   # tree NAME PATCH: a copy of the shipped tree with PATCH applied, in 
 tree both_sync $R/h200-2026-12-05-dq-sync/both_sync.patch
 tree chunk_mbarriers $R/h200-2026-12-05-dq-sync/chunk_mbarriers.patch
 tree d256 $R/h200-2026-12-05-d256-dq/d256_dq.patch
+if on race; then
 for variant in both_sync chunk_mbarriers; do
     cd /tmp/$variant && export PYTHONPATH=/tmp/$variant
     step race_$variant 80 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 20 python3 $P61 san 64,128
@@ -28,6 +32,8 @@ for t in $SHIPPED /tmp/both_sync /tmp/chunk_mbarriers; do
     cd $t && export PYTHONPATH=$t
     step speed_$(basename $t) 45 python3 $P61 speed 64,128 4096,16384
 done
+fi
+if on d256; then
 cd /tmp/d256 && export PYTHONPATH=/tmp/d256
 step d256_pytest 120 python3 -m pytest -q --maxfail=5 tests/test_backward.py tests/test_layout.py \
     -k "dq_added or not_deterministic or specializations"
@@ -35,10 +41,13 @@ step d256_check 40 python3 $P256 check
 step d256_memcheck 50 compute-sanitizer --tool memcheck --print-limit 20 python3 $P256 san
 step d256_racecheck 70 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 20 python3 $P256 san
 step d256_speed 90 python3 $P256 speed 4096,16384
+fi
+if on ncu; then
 S="--section SourceCounters --section WarpStateStats --section SpeedOfLight"
 step ncu_cudnn_d256 50 ncu --clock-control none $S -k "regex:bprop" --launch-skip 1 --launch-count 1 -o $OUT/cudnn_d256 \
     python3 bench/profile_case.py --seqlen 4096 --head-dim 256 --impl torch-cudnn --repeat 2
 ncu -i $OUT/cudnn_d256.ncu-rep --page source --csv --print-source sass > $OUT/cudnn_d256_sass.csv 2>&1
 ncu -i $OUT/cudnn_d256.ncu-rep --page details --print-details all > $OUT/cudnn_d256_details.txt 2>&1
 (cd $OUT && tar czf ncu_cudnn_d256.tar.gz cudnn_d256* && rm -f cudnn_d256*)
+fi
 cat $OUT/steps.txt; grep -h "D1\|D6" $OUT/speed_*.txt | sort; grep -h "D256\|D 256" $OUT/d256_speed.txt $OUT/d256_check.txt
