@@ -29,6 +29,7 @@ SCRIPTS = [
     ("bench/profile_case.py", []),
     ("bench/tune_tiles.py", []),
     ("bench/ab_trees.py", ["."]),
+    ("bench/cudnn_deterministic.py", []),
     ("tools/warm_cache.py", []),
 ]
 
