@@ -2,7 +2,8 @@
 # Not yet run on a GPU (bench/NOTES.md v37), about 300 s: the deterministic backward at head
 # dim 64 with dq added up in fixed point (dq_fixed.patch, branch dq-fixed) on a copy of the
 # tree: its tests and the backward's neighbours, the sanitizer on one call of it, then
-# p_fixed.py (fixed point against the dq pass it replaces, float32 sums and cuDNN).
+# p_fixed.py (fixed point against the dq pass it replaces, float32 sums and cuDNN; env DTYPES
+# and LENGTHS narrow it, e.g. DTYPES=float16 for the trimmed call).
 export PYTHONUNBUFFERED=1
 HERE=$PWD/bench/results/h200-2026-12-06-dq-fixed
 step() { local name=$1 limit=$2; shift 2; local start=$SECONDS
@@ -19,5 +20,5 @@ g = cuflash.attention_backward(do, q, k, v, out, lse, causal=True); cupy.cuda.De
 for tool in memcheck initcheck racecheck; do
     step fixed_$tool 60 compute-sanitizer --tool $tool --print-limit 20 python3 -c "$CASE"
 done
-step fixed_speed 200 python3 $HERE/p_fixed.py float16,bfloat16 2048,4096,8192,16384
+step fixed_speed 200 python3 $HERE/p_fixed.py ${DTYPES:-float16,bfloat16} ${LENGTHS:-2048,4096,8192,16384}
 cat $OUT/steps.txt; cat $OUT/fixed_speed.txt
