@@ -134,8 +134,8 @@ def main(argv=None):
                         if any(bw[deterministic] is None for _, bw, _ in built):
                             continue
                         runs = [bw[deterministic] for _, bw, _ in built]
-                        ms[name] = ba.median_ms(lambda g, pack: g.execute(pack, workspace, handle=handle), runs,
-                                                args.repeat)
+                        ms[name] = ba.median_ms(lambda g, pack, ws=workspace: g.execute(pack, ws, handle=handle),
+                                                runs, args.repeat)
                         graph, pack = runs[0]
                         dq = built[0][2]
                         graph.execute(pack, workspace, handle=handle)
