@@ -1,7 +1,8 @@
-"""The deterministic backward at head dim 64 with dq added up in fixed point (branch dq-fixed,
-bench/NOTES.md v37) against the same tree's dq pass (the default before), dq in float32 in any
-order (deterministic=False) and cuDNN, in one process, rounds in turn; and whether the fixed
-point repeats to the bit. python p_fixed.py [dtypes] [lengths]; env ROUNDS (3), REPS (10)."""
+"""The deterministic backward at head dims 64, 128 and 256 with dq added up in fixed point
+(branch d256-fixed, bench/NOTES.md v37, v38) against the same tree's dq pass (the default before), dq in
+float32 in any order (deterministic=False) and cuDNN, in one process, rounds in turn; and
+whether the fixed point repeats to the bit. python p_fixed.py [dtypes] [lengths] [head dims];
+env ROUNDS (3), REPS (10)."""
 import os
 import sys
 
@@ -13,7 +14,6 @@ import bench_attention as ba  # noqa: E402
 import cuflash  # noqa: E402
 from cuflash import _dispatch, _plans  # noqa: E402
 
-D = 64
 TILES = _dispatch.sm90_bwd_tiles
 
 
@@ -31,7 +31,8 @@ def variant(name):
 REPS, ROUNDS = int(os.environ.get("REPS", 10)), int(os.environ.get("ROUNDS", 3))
 dtypes = sys.argv[1].split(",") if len(sys.argv) > 1 else ["float16", "bfloat16"]
 lengths = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [2048, 4096, 8192, 16384]
-for dt in dtypes:
+head_dims = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [64, 128, 256]
+for D, dt in ((D, dt) for D in head_dims for dt in dtypes):
     for n in lengths:
         b, h = 16384 // n, 2048 // D
         data = ba.make_inputs(b, h, n, D, dt)
