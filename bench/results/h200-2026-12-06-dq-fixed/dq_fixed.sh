@@ -6,9 +6,8 @@
 #  2. memcheck and racecheck on one call at each head dim, fixed point and any order;
 #  3. p_fixed.py: fixed point against the dq pass it replaces, float32 sums and cuDNN (env
 #     DTYPES, LENGTHS and HEAD_DIMS widen or narrow it);
-#  4. if racecheck reported hazards on the shared dq chunks of head dims 64 and 128 (v35's
-#     reading: it does not count a named barrier's arrive as ordering) and the call has the
-#     time: the same with both warpgroups waiting at that barrier (both_sync.patch), its
+#  4. if racecheck reported hazards on the shared dq chunks (head dim 128; v35's reading: it
+#     does not count a named barrier's arrive as ordering) and the call has the time: the same with both warpgroups waiting at that barrier (both_sync.patch), its
 #     racecheck and speed.
 export PYTHONUNBUFFERED=1
 HERE=$PWD/bench/results/h200-2026-12-06-dq-fixed
