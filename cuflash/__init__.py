@@ -5,11 +5,11 @@
 Importing cuflash does not import CuPy.
 """
 
-from . import reference
+from . import naive, reference
 from ._api import attention, attention_backward, attention_kvcache, attention_vjp, merge_attention
 from ._checks import require_gpu
 
 __version__ = "0.1.0"
 __all__ = [
-    "attention", "attention_backward", "attention_kvcache", "attention_vjp", "merge_attention", "require_gpu", "reference", "__version__",
+    "attention", "attention_backward", "attention_kvcache", "attention_vjp", "merge_attention", "require_gpu", "naive", "reference", "__version__",
 ]

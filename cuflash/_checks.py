@@ -24,7 +24,8 @@ HEAD_DIM_MULTIPLE = 8
 
 
 def check_shapes(q_shape, k_shape, v_shape) -> tuple[int, ...]:
-    """Checks the shapes of q, k, v against each other; returns the broadcast batch shape."""
+    """Checks the shapes of q, k, v against each other and the head dims against what the
+    kernels take (the GPU functions and cuflash.reference alike); returns the broadcast batch shape."""
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shape) < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., N, D), got shape {tuple(shape)}")
@@ -39,14 +40,18 @@ def check_shapes(q_shape, k_shape, v_shape) -> tuple[int, ...]:
             f"and v.shape={tuple(v_shape)}"
         )
     if q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
-        return tuple(q_shape[:-2])
-    try:
-        return tuple(np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2]))
-    except ValueError as err:
-        raise ValueError(
-            "the batch dims (all but the last two) of q, k and v must broadcast, got "
-            f"q.shape={tuple(q_shape)}, k.shape={tuple(k_shape)}, v.shape={tuple(v_shape)}"
-        ) from err
+        batch = tuple(q_shape[:-2])
+    else:
+        try:
+            batch = tuple(np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2]))
+        except ValueError as err:
+            raise ValueError(
+                "the batch dims (all but the last two) of q, k and v must broadcast, got "
+                f"q.shape={tuple(q_shape)}, k.shape={tuple(k_shape)}, v.shape={tuple(v_shape)}"
+            ) from err
+    check_head_dim("q", "head dim (last axis)", q_shape[-1])
+    check_head_dim("v", "value head dim (last axis)", v_shape[-1])
+    return batch
 
 
 def sum_to_shape(x, shape):
@@ -105,26 +110,35 @@ def pad_head_dim(xp, x):
     return xp.broadcast_to(padded, x.shape[:-1] + (width,))
 
 
+class CuPyMissingError(ImportError, RuntimeError):
+    """CuPy is not installed or cannot be imported: an ImportError (docs/contract.md), and a
+    RuntimeError like every other reason `require_gpu` gives, so one ``except`` catches all."""
+
+
+def _no_gpu_message(problem: str) -> str:
+    """The one message of every error saying why the GPU functions cannot run."""
+    return (
+        f"cuflash's GPU functions need an NVIDIA GPU: {problem}. "
+        "cuflash.reference runs the same computation with NumPy on the CPU."
+    )
+
+
 def require_cupy():
-    """The cupy module, or an ImportError saying how to install it."""
+    """The cupy module, or a CuPyMissingError saying how to install it."""
     try:
         import cupy
     except ImportError as err:
-        raise ImportError(
-            f"cuflash's GPU functions need CuPy; {_gpu.cupy_import_problem(err)}. "
-            "cuflash.reference works without it."
-        ) from err
+        raise CuPyMissingError(_no_gpu_message(_gpu.cupy_import_problem(err))) from err
     return cupy
 
 
 def require_gpu() -> None:
-    """Raises RuntimeError, saying exactly what is missing, when the GPU functions cannot run."""
+    """Raises, saying exactly what is missing, when the GPU functions cannot run: without CuPy
+    the CuPyMissingError of every GPU function (`require_cupy`), else RuntimeError."""
     problem = _gpu.problem()
     if problem:
-        raise RuntimeError(
-            f"cuflash's GPU functions need an NVIDIA GPU: {problem}. "
-            "cuflash.reference runs the same computation with NumPy on the CPU."
-        )
+        require_cupy()
+        raise RuntimeError(_no_gpu_message(problem))
 
 
 def _type_name(x) -> str:
@@ -372,8 +386,6 @@ def attention_inputs(q, k, v, causal, window, scale, packed=None, **more) -> Att
     batch_shape = check_shapes(q.shape, k.shape, v.shape)
     nq, d = q.shape[-2:]
     nk, dv = v.shape[-2:]
-    check_head_dim("q", "head dim (last axis)", d)
-    check_head_dim("v", "value head dim (last axis)", dv)
     left, right = normalize_window(causal, window)
     scale = check_scale(scale, d)   # of the head dim as given, not as padded
     sequences = packed_inputs(cupy, q, k, **packed) if packed else None
@@ -390,18 +402,24 @@ def attention_inputs(q, k, v, causal, window, scale, packed=None, **more) -> Att
 def check_backward_arrays(batch_shape, nq: int, dv: int, dtype, **given) -> None:
     """Checks out, dout and lse, each given as (shape, dtype), against what the forward
     returns for these q, k, v: out and dout broadcast(batch) + (Nq, Dv) in the inputs'
-    dtype, lse broadcast(batch) + (Nq,) in float32.
+    dtype, lse broadcast(batch) + (Nq,) in float32. With ``dtype`` None (cuflash.reference,
+    which takes any real dtype) the shapes only.
 
     Takes shapes and dtypes, not arrays, so that it runs without a GPU.
     """
     out_shape = tuple(batch_shape) + (nq, dv)
     want = {
-        "out": (out_shape, np.dtype(dtype), "as attention(q, k, v) returns it"),
-        "dout": (out_shape, np.dtype(dtype), "those of out"),
-        "lse": (out_shape[:-1], np.dtype(np.float32), "as attention(q, k, v, return_lse=True) returns it"),
+        "out": (out_shape, dtype, "as attention(q, k, v) returns it"),
+        "dout": (out_shape, dtype, "those of out"),
+        "lse": (out_shape[:-1], np.float32, "as attention(q, k, v, return_lse=True) returns it"),
     }
     for name, (shape, dt) in given.items():
         want_shape, want_dtype, why = want[name]
+        if dtype is None:
+            if tuple(shape) != want_shape:
+                raise ValueError(f"{name} must have shape {want_shape} ({why}), got shape {tuple(shape)}")
+            continue
+        want_dtype = np.dtype(want_dtype)
         if tuple(shape) != want_shape or np.dtype(dt) != want_dtype:
             raise ValueError(
                 f"{name} must have shape {want_shape} and dtype {want_dtype.name} ({why}), "
@@ -545,35 +563,50 @@ def kvcache_lengths(seqlens, n_new: int, capacity: int, block_table, num_pages: 
     return lengths, np.clip(pages, 0, num_pages - 1)
 
 
-def merge_inputs(cupy, outs, lses):
-    """The parts of a merge_attention call as two lists of contiguous CuPy arrays, checked:
-    one shape and supported dtype for the outs, float32 lses of their shape but the last axis,
-    at least one part, one device."""
+def merge_parts(outs, lses, array):
+    """The parts of a merge_attention call (sequences, or arrays whose first axis indexes
+    them) as two lists, checked for the GPU function and cuflash.reference alike: at least one
+    part, as many lses as outs, the outs of one shape (..., Nq, Dv), the lses of that shape
+    but the last axis. ``array(name, x)`` checks the type of each array given and returns it
+    as the caller computes with it."""
     parts = {}
     for name, given in (("outs", outs), ("lses", lses)):
         if isinstance(given, (list, tuple)):
             if not given:
                 raise ValueError(f"{name} must hold at least one part, got an empty {type(given).__name__}")
-            for i, x in enumerate(given):
-                check_cupy(cupy, **{f"{name}[{i}]": x})
-            parts[name] = list(given)
+            parts[name] = [array(f"{name}[{i}]", x) for i, x in enumerate(given)]
         else:
-            check_cupy(cupy, **{name: given})
+            given = array(name, given)
             if given.ndim < 1 or given.shape[0] < 1:
                 raise ValueError(f"{name} must have a first axis of parts (at least one), got shape {given.shape}")
             parts[name] = list(given)
     outs, lses = parts["outs"], parts["lses"]
-    require_gpu()
     if len(outs) != len(lses):
         raise ValueError(f"outs and lses must hold the same number of parts, got {len(outs)} and {len(lses)}")
     first = outs[0]
-    check_dtypes(**{f"outs[{i}]": o.dtype for i, o in enumerate(outs)})
     for i, (o, x) in enumerate(zip(outs, lses)):
         if o.ndim < 2 or o.shape != first.shape:
             raise ValueError(f"every part of outs must have the shape (..., Nq, Dv) of outs[0], {first.shape}, "
                              f"got outs[{i}].shape = {o.shape}")
-        if x.dtype != np.float32 or x.shape != first.shape[:-1]:
-            raise ValueError(f"lses[{i}] must be float32 of shape {first.shape[:-1]}, got {x.dtype} {x.shape}")
+        if x.shape != first.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have shape {first.shape[:-1]}, got {x.shape}")
+    return outs, lses
+
+
+def merge_inputs(cupy, outs, lses):
+    """The parts of a merge_attention call as two lists of contiguous CuPy arrays, checked:
+    `merge_parts`, then a supported dtype for the outs, float32 lses, one device."""
+
+    def cupy_array(name, x):
+        check_cupy(cupy, **{name: x})
+        return x
+
+    outs, lses = merge_parts(outs, lses, cupy_array)
+    require_gpu()
+    check_dtypes(**{f"outs[{i}]": o.dtype for i, o in enumerate(outs)})
+    for i, x in enumerate(lses):
+        if x.dtype != np.float32:
+            raise ValueError(f"lses[{i}] must be float32 (as attention(..., return_lse=True) returns it), got {x.dtype}")
     check_devices(**{f"outs[{i}]": o for i, o in enumerate(outs)}, **{f"lses[{i}]": x for i, x in enumerate(lses)})
     return [cupy.ascontiguousarray(o) for o in outs], [cupy.ascontiguousarray(x) for x in lses]
 
@@ -611,6 +644,77 @@ class KVCacheInputs:
     out_shape: tuple          # (B, ..., Nq, Dv)
 
 
+def check_num_splits(num_splits) -> int | None:
+    """The ``num_splits`` of an attention_kvcache call: None or a positive int."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (numbers.Integral, np.integer)) \
+            or num_splits < 1:
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    return int(num_splits)
+
+
+@dataclass(frozen=True)
+class KVCacheShapes:
+    """What the shapes of an attention_kvcache call say (see `kvcache_shapes`)."""
+
+    mid_q: tuple      # q's dims between B and Nq
+    mid_c: tuple      # the caches' dims between the first and the last two
+    group: int        # query heads per K/V head, along the last of mid_q (1: no grouping)
+    n_new: int
+    capacity: int     # the keys each sequence's cache holds
+    rows: int         # the caches' rows: Nmax, or the page size
+    num_pages: int    # the caches' first dim
+
+
+def kvcache_shapes(q_shape, k_shape, v_shape, new_shapes, block_table, itemsize: int, dtype_name: str) -> KVCacheShapes:
+    """Checks the shapes of an attention_kvcache call, for the GPU function and cuflash.reference
+    alike (docs/contract.md): ``new_shapes`` is None or the shapes of (k_new, v_new),
+    ``block_table`` None or an int array (NumPy or CuPy), ``itemsize`` and ``dtype_name`` those
+    of q's dtype (the rows the kernels move)."""
+    if len(q_shape) < 3 or len(k_shape) != len(q_shape) or len(v_shape) != len(q_shape):
+        raise ValueError(f"q (B, ..., Nq, D) and the caches (B or pages, ..., rows, D) must have one number of dims, "
+                         f"at least 3, got shapes {q_shape}, {k_shape} and {v_shape}")
+    if k_shape[:-1] != v_shape[:-1]:
+        raise ValueError(f"k_cache and v_cache must agree but in the last dim, got {k_shape} and {v_shape}")
+    batch, d, dv, rows = q_shape[0], q_shape[-1], v_shape[-1], k_shape[-2]
+    if k_shape[-1] != d:
+        raise ValueError(f"q and k_cache must have one head dim, got {d} and {k_shape[-1]}")
+    for name, n in (("D", d), ("Dv", dv)):
+        if n < 1 or n > 256 or (n * itemsize) % 16:
+            raise ValueError(f"attention_kvcache takes head dims of whole 16-byte rows up to 256 ({16 // itemsize}, "
+                             f"{32 // itemsize}, ... for {dtype_name}), got {name} = {n}")
+    mid_q, mid_c = tuple(q_shape[1:-2]), tuple(k_shape[1:-2])
+    try:
+        np.broadcast_shapes(mid_q, mid_c)
+    except ValueError:
+        raise ValueError(f"the dims of q between B and Nq, {mid_q}, do not broadcast against the caches', {mid_c}") from None
+    if np.broadcast_shapes(mid_q, mid_c) != mid_q:
+        raise ValueError(f"q's dims {mid_q} must hold the caches' {mid_c} (q is not broadcast)")
+    grouped = [i for i, (a, c) in enumerate(zip(mid_q, mid_c)) if c == 1 and a > 1]
+    if len(grouped) > 1 or (grouped and grouped[0] != len(mid_q) - 1):
+        raise ValueError(f"attention_kvcache groups query heads along the last dim before Nq only (q (B, Hkv, G, Nq, D) "
+                         f"against caches (., Hkv, 1, rows, D)), got q dims {mid_q} against {mid_c}")
+    n_new = 0
+    if new_shapes is not None:
+        k_new_shape, v_new_shape = (tuple(s) for s in new_shapes)
+        n_new = k_new_shape[-2] if len(k_new_shape) == len(q_shape) else -1
+        want_k, want_v = (batch,) + mid_c + (n_new, d), (batch,) + mid_c + (n_new, dv)
+        if k_new_shape != want_k or v_new_shape != want_v:
+            raise ValueError(f"k_new and v_new must be (B, <the caches' dims>, Nnew, D / Dv): {want_k[:-2]} + (Nnew, D), "
+                             f"got {k_new_shape} and {v_new_shape}")
+    if block_table is not None:
+        if block_table.dtype.kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise TypeError(f"block_table must be an int array of shape ({batch}, max_pages), got dtype "
+                            f"{block_table.dtype} and shape {block_table.shape}")
+        capacity, num_pages = block_table.shape[1] * rows, k_shape[0]
+    else:
+        if k_shape[0] != batch:
+            raise ValueError(f"k_cache must hold one cache per sequence of q: {batch}, got {k_shape[0]}")
+        capacity, num_pages = rows, batch
+    return KVCacheShapes(mid_q, mid_c, mid_q[-1] if grouped else 1, n_new, capacity, rows, num_pages)
+
+
 def _merged_axis(shape, strides, name):
     """The stride of dims ``shape`` viewed as one axis (dims of size 1 ignored), or raise."""
     dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
@@ -635,35 +739,16 @@ def kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block
                               **({} if k_new is None else {"k_new": k_new.dtype, "v_new": v_new.dtype}))
     check_devices(q=q, k_cache=k_cache, v_cache=v_cache, **({} if k_new is None else {"k_new": k_new, "v_new": v_new}))
     left, right = normalize_window(causal, window)
-    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_))
-                                   or not isinstance(num_splits, (numbers.Integral, np.integer)) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
-    if q.ndim < 3 or k_cache.ndim != q.ndim or v_cache.ndim != q.ndim:
-        raise ValueError(f"q (B, ..., Nq, D) and the caches (B or pages, ..., rows, D) must have one number of dims, "
-                         f"at least 3, got shapes {q.shape}, {k_cache.shape} and {v_cache.shape}")
-    if k_cache.shape[:-1] != v_cache.shape[:-1]:
-        raise ValueError(f"k_cache and v_cache must agree but in the last dim, got {k_cache.shape} and {v_cache.shape}")
-    batch, nq, d, dv, rows = q.shape[0], q.shape[-2], q.shape[-1], v_cache.shape[-1], k_cache.shape[-2]
-    if k_cache.shape[-1] != d:
-        raise ValueError(f"q and k_cache must have one head dim, got {d} and {k_cache.shape[-1]}")
+    num_splits = check_num_splits(num_splits)
+    if block_table is not None and not isinstance(block_table, (np.ndarray, cupy.ndarray)):
+        raise TypeError(f"block_table must be a NumPy or CuPy int array, got {_type_name(block_table)}")
+    shapes = kvcache_shapes(q.shape, k_cache.shape, v_cache.shape, None if k_new is None else (k_new.shape, v_new.shape),
+                            block_table, q.dtype.itemsize, dtype_name)
+    batch, nq, d, dv = q.shape[0], q.shape[-2], q.shape[-1], v_cache.shape[-1]
+    mid_q, group, n_new, capacity, num_pages = shapes.mid_q, shapes.group, shapes.n_new, shapes.capacity, shapes.num_pages
+    rows = page_size = shapes.rows
     itemsize = q.dtype.itemsize
-    for name, n in (("D", d), ("Dv", dv)):
-        if n < 1 or n > 256 or (n * itemsize) % 16:
-            raise ValueError(f"attention_kvcache takes head dims of whole 16-byte rows up to 256 ({16 // itemsize}, "
-                             f"{32 // itemsize}, ... for {dtype_name}), got {name} = {n}")
-    mid_q, mid_c = q.shape[1:-2], k_cache.shape[1:-2]
-    try:
-        np.broadcast_shapes(mid_q, mid_c)
-    except ValueError:
-        raise ValueError(f"the dims of q between B and Nq, {mid_q}, do not broadcast against the caches', {mid_c}") from None
-    if np.broadcast_shapes(mid_q, mid_c) != tuple(mid_q):
-        raise ValueError(f"q's dims {mid_q} must hold the caches' {mid_c} (q is not broadcast)")
-    grouped = [i for i, (a, c) in enumerate(zip(mid_q, mid_c)) if c == 1 and a > 1]
-    if len(grouped) > 1 or (grouped and grouped[0] != len(mid_q) - 1):
-        raise ValueError(f"attention_kvcache groups query heads along the last dim before Nq only (q (B, Hkv, G, Nq, D) "
-                         f"against caches (., Hkv, 1, rows, D)), got q dims {mid_q} against {mid_c}")
-    group = mid_q[-1] if grouped else 1
-    entry_dims = mid_c[:-1] if grouped else mid_c
+    entry_dims = shapes.mid_c[:-1] if group > 1 else shapes.mid_c
     entries = math.prod(entry_dims)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.size and (x.strides[-1] != itemsize or x.data.ptr % 16 or any(s % 16 for s in x.strides[:-1])):
@@ -673,24 +758,6 @@ def kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block
         mids = x.shape[1:-2][:len(entry_dims)], x.strides[1:-2][:len(entry_dims)]
         strides[name] = (x.strides[0] // itemsize, _merged_axis(*mids, f"{name}_cache") // itemsize,
                          x.strides[-2] // itemsize)
-    n_new = 0
-    if k_new is not None:
-        n_new = k_new.shape[-2] if k_new.ndim == q.ndim else -1
-        want_k, want_v = (batch,) + tuple(mid_c) + (n_new, d), (batch,) + tuple(mid_c) + (n_new, dv)
-        if k_new.shape != want_k or v_new.shape != want_v:
-            raise ValueError(f"k_new and v_new must be (B, <the caches' dims>, Nnew, D / Dv): {want_k[:-2]} + (Nnew, D), "
-                             f"got {k_new.shape} and {v_new.shape}")
-    if block_table is not None:
-        if not isinstance(block_table, (np.ndarray, cupy.ndarray)):
-            raise TypeError(f"block_table must be a NumPy or CuPy int array, got {_type_name(block_table)}")
-        if block_table.dtype.kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
-            raise TypeError(f"block_table must be an int array of shape ({batch}, max_pages), got dtype "
-                            f"{block_table.dtype} and shape {block_table.shape}")
-        capacity, page_size, num_pages = block_table.shape[1] * rows, rows, k_cache.shape[0]
-    else:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache must hold one cache per sequence of q: {batch}, got {k_cache.shape[0]}")
-        capacity, page_size, num_pages = rows, rows, batch
     on_device = isinstance(cache_seqlens, cupy.ndarray)
     if on_device and (cache_seqlens.dtype.kind not in "iu" or cache_seqlens.shape != (batch,)):
         raise TypeError(f"cache_seqlens must be an int or an int array of shape ({batch},), "
@@ -721,7 +788,7 @@ def kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block
         cupy.ascontiguousarray(v_new).reshape(batch, entries, n_new, dv))
     out = KVCacheInputs(
         qk, k_cache, v_cache, strides["k"], strides["v"], news[0], news[1], device_seqlens, seqlen_all, table, batch, entries, group, nq, n_new, d, dv,
-        capacity, page_size, num_pages, left, right, check_scale(scale, d), None if num_splits is None else int(num_splits),
+        capacity, page_size, num_pages, left, right, check_scale(scale, d), num_splits,
         longest, dtype_name, (batch,) + tuple(mid_q) + (nq, dv),
     )
     return out

@@ -126,8 +126,8 @@ def dkdv_layout(x, key_blocks: int, slots: int):
     Grouped, each block sums dk and dv over the query heads of its K/V head, so there are
     G times fewer blocks. When that leaves fewer blocks than fit the GPU at once, each
     group is split in `split` parts (the smallest divisor of G that fills it, at most G / 2)
-    whose partial sums the call adds afterwards (by measurement, bench/NOTES.md v10: more
-    parts cost more than the balance they add)."""
+    whose partial sums the call adds afterwards (by measurement, docs/design.md, "Packed
+    sequences and grouped queries": more parts cost more than the balance they add)."""
     layout = _params.batch_layout(x)
     if x.group is None:
         return layout, None
@@ -280,15 +280,15 @@ def kvcache_launches(x) -> KVCacheLaunches:
     per_sm = 1 if alone else blocks_per_sm(decode, 128, smem)
     # (launched in clusters, a block that streams alone, or that reads pages for 16 rows, asks
     # for shared memory enough to keep a multiprocessor to itself: a cluster's blocks may
-    # otherwise be placed two to one, each then streaming at half the rate; bench/NOTES.md
-    # v25, v26. The global merge's blocks of pages still plan two per SM, whose table reads
-    # hide each other's; 32 rows, four times the products, want two per SM in clusters too.)
+    # otherwise be placed two to one, each then streaming at half the rate; docs/design.md,
+    # "KV cache and decoding". The global merge's blocks of pages still plan two per SM, whose
+    # table reads hide each other's; 32 rows, four times the products, want two per SM in clusters too.)
     pad = alone or (x.block_table is not None and tiles.block_rows == 16)
     cluster_smem = one_per_sm_smem(smem) if hopper and pad else smem
     if cluster_smem > smem:
         _compile.get_function(tiles.name(x.dtype_name, head_dim), cluster_smem)
     # (pages read run by run pack two blocks per SM, and splits of two 64-key blocks there
-    # spend more on their fixed costs than the model counts: bench/NOTES.md v24)
+    # spend more on their fixed costs than the model counts: docs/design.md, "KV cache and decoding")
     min_keys = DECODE_RUNS_MIN_SPLIT_KEYS if tiles.layout == KEY_RUNS else 0
 
     def kernel(two_level):   # (several clusters per row group: the kernel of two-level merges)
@@ -319,7 +319,8 @@ def kvcache_launches(x) -> KVCacheLaunches:
         scale_log2=scale_log2, scale_log2_lo=scale_log2_lo, splits=splits, split_keys=split_keys,
     )
     runs = []
-    # (programmatic on Hopper: each kernel starts under the tail of the one before; bench/NOTES.md v24)
+    # (programmatic on Hopper: each kernel starts under the tail of the one before; docs/design.md,
+    # "KV cache and decoding")
     if x.n_new and x.batch * x.entries:
         append = _compile.get_function(f"cuflash::kvcache_append<{elem}>", 0)
         runs.append(Launch(append, (x.batch * x.entries * x.n_new,), 128, 0, params, DECODE_FIELDS,

@@ -130,7 +130,8 @@ def grid_group(x, entries: int) -> int:
     blocks running at once on the same K and V. Under a causal or windowed mask a
     group holds as many entries as fit GRID_GROUP_BYTES, so that the blocks with the
     most keys of all of them start first and the light ones fill the end (by
-    measurement, bench/NOTES.md, better than a group just large enough to fill the GPU)."""
+    measurement, docs/design.md, "Tiles and dispatch": better than a group just large enough
+    to fill the GPU)."""
     if x.left is None and x.right is None:
         return 1
     entry_bytes = max(x.nq, x.nk) * (x.d + x.dv) * x.q.itemsize

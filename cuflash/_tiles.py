@@ -104,13 +104,13 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
     portable kernel runs instead (float32, head dims that are not whole 64-column panels).
 
     ``keys``: the keys per tile (of each sequence; mean over packed sequences), None when
-    not known; short ones change the tiles, by measurement (bench/NOTES.md v10)."""
+    not known; short ones change the tiles, by measurement (docs/design.md, "Hopper forward")."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
-        # one warpgroup per block, four blocks per SM (bench/NOTES.md v14)
+        # one warpgroup per block, four blocks per SM (docs/design.md, "Hopper forward")
         return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=4)
-    # by measurement (bench/tune_tiles.py, bench/NOTES.md): a third K/V stage gained
+    # by measurement (bench/tune_tiles.py; docs/design.md, "Hopper forward"): a third K/V stage gained
     # nothing, and 64-key blocks beat 128 at head dim 64. (hopper_fwd_tiles runs these at
     # head dim 256; at 64 and 128 it runs the loading-warpgroup kernel, but for the short
     # tiles above.)
@@ -142,7 +142,7 @@ class Sm90WsFwdTiles:
     @property
     def maps_only(self) -> bool:
         """Whether the tiles run only through tensor maps: with one Q buffer the cp.async
-        loader ran at 0.5-0.8x attn_fwd_sm90 (bench/NOTES.md v17)."""
+        loader ran at 0.5-0.8x attn_fwd_sm90 (docs/design.md, "Hopper forward")."""
         return self.q_buffers == 1
 
     def without_maps(self) -> Sm90WsFwdTiles | None:
@@ -174,16 +174,16 @@ MASKS = ("none", "causal", "window")
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
                       mask: str = "window") -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
-    measurement (bench/NOTES.md v13, v17, v19, v20, v30): head dims 64 and 128, except head dim 64
+    measurement (docs/design.md, "Hopper forward"): head dims 64 and 128, except head dim 64
     with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
     of one warpgroup, four per SM, stay ahead; at head dim 64 from 2048 keys three computing
     warpgroups (1.01-1.12x two, through maps; shorter, the 192-row tiles lost up to 11 %
-    under a causal mask), without a mask on a ring of three K/V stages (0.99-1.04x two,
-    v30; 0.98-1.01x under a causal mask); at head dim 128, 176-key blocks with one Q buffer
-    without a mask from 2048 keys (0.99-1.08x the 128-key blocks, 1.03-1.08x from 4096, v30)
-    and under a causal mask from 8192 (1.01-1.08x in six processes, v20 and v21); and head dim
+    under a causal mask), without a mask on a ring of three K/V stages (0.99-1.04x two;
+    0.98-1.01x under a causal mask); at head dim 128, 176-key blocks with one Q buffer
+    without a mask from 2048 keys (0.99-1.08x the 128-key blocks, 1.03-1.08x from 4096)
+    and under a causal mask from 8192 (1.01-1.08x in six processes); and head dim
     256, 80-key blocks with one Q buffer and through tensor maps only (``maps_only``; 1.02-1.11x
-    64-key blocks, v30, which ran at 1.2-1.4x attn_fwd_sm90). None elsewhere. These are the
+    64-key blocks, which ran at 1.2-1.4x attn_fwd_sm90). None elsewhere. These are the
     tiles through maps; ``without_maps`` gives the others."""
     if dtype_name == "float32":
         return None
@@ -505,7 +505,7 @@ class DecodeTiles:
         fit: for 16 rows whose stages are whole blocks of at least 32 KB, a block streams as
         fast alone as beside a second, which would only add splits to merge. With 32 rows
         (four times the products), smaller stages, or pages read run by run (a table read
-        before each run's copy), more blocks hide more (bench/NOTES.md v15)."""
+        before each run's copy), more blocks hide more (docs/design.md, "KV cache and decoding")."""
         return (self.block_rows == 16 and self.layout == KEY_BLOCKS
                 and 2 * self.block_n * head_dim * itemsize >= 32 * 1024)
 
@@ -522,9 +522,9 @@ def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None 
 
     - 32 rows per block only for 16-bit types up to head dim 128 (registers).
     - 128 keys per stage for 16-bit heads up to 64 wide, so that a stage moves as many bytes
-      as at head dim 128 (by measurement, bench/NOTES.md v15), over pages too when they hold
-      whole blocks of 128 or are read run by run (pages of 64 among them, since each run is
-      copied by threads of its own: v22); 64 over pages read row by row.
+      as at head dim 128 (by measurement, docs/design.md, "KV cache and decoding"), over pages
+      too when they hold whole blocks of 128 or are read run by run (pages of 64 among them,
+      since each run is copied by threads of its own); 64 over pages read row by row.
     - three stages where they fit in 100 KB (two blocks per SM), two for float32 (registers).
     - keys found block by block where pages hold whole blocks, else run by run where pages
       hold whole runs of 16 rows (heads up to 128 wide: wider, the runs' offsets spill), else

@@ -2,8 +2,8 @@
 
 The baseline that benchmarks time cuflash against, and the "naive" result of
 the accuracy criterion (docs/contract.md: an error up to twice the naive one is
-accepted). CuPy's matmul needs cuBLAS, which the kernels do not: install cuflash
-with its cuda12-full (or cuda13-full) extra to use this module.
+accepted). CuPy's matmul needs cuBLAS, which the kernels do not: the cuda12 and
+cuda13 extras install it.
 """
 
 from __future__ import annotations

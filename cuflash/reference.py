@@ -22,7 +22,8 @@ import numbers
 import numpy as np
 
 from ._checks import (
-    check_flag, check_scale, check_shapes, host_cache_seqlens, kvcache_lengths, packed_sequences, sum_to_shape,
+    check_backward_arrays, check_flag, check_num_splits, check_scale, check_shapes, host_cache_seqlens,
+    kvcache_lengths, kvcache_shapes, merge_parts, packed_sequences, sum_to_shape,
 )
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
 
@@ -87,6 +88,17 @@ def _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
         _as_host(name, cu)
     return packed_sequences(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2], max_seqlen_q, max_seqlen_k,
                             bool(check))
+
+
+def _per_sequence(forward, q, k, v, batch, packed, **keywords):
+    """out and lse of a packed call, ``forward`` (`attention` or `tiled_attention`) run on each
+    sequence's rows and keys; rows that no sequence owns give 0 and -inf."""
+    out = np.zeros(batch + (q.shape[-2], v.shape[-1]))
+    lse = np.full(batch + (q.shape[-2],), -np.inf)
+    for q0, q1, k0, k1 in packed:
+        out[..., q0:q1, :], lse[..., q0:q1] = forward(
+            q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], return_lse=True, **keywords)
+    return out, lse
 
 
 def _as_host(name: str, x) -> None:
@@ -167,13 +179,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     if packed is not None:
-        out = np.zeros(batch + (nq, dv))
-        lse = np.full(batch + (nq,), -np.inf)
-        for q0, q1, k0, k1 in packed:
-            out[..., q0:q1, :], lse[..., q0:q1] = attention(
-                q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], causal=causal, window=window,
-                scale=scale, return_lse=True,
-            )
+        out, lse = _per_sequence(attention, q, k, v, batch, packed, causal=causal, window=window, scale=scale)
         return (out, lse) if return_lse else out
 
     if nk == 0:
@@ -197,18 +203,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     return out, lse
 
 
-def tiled_attention(
-    q,
-    k,
-    v,
-    *,
-    causal=False,
-    window=None,
-    scale=None,
-    block_m=64,
-    block_n=64,
-    return_lse=False,
-):
+def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
+                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
+                    block_m=64, block_n=64):
     """The forward as the GPU kernel computes it, in NumPy float64.
 
     For each block of ``block_m`` query rows (vectorised over the batch dims):
@@ -229,9 +226,12 @@ def tiled_attention(
     4. ``out = acc / l_i`` and ``lse = (m_i + log2(l_i)) * ln(2)``; rows with ``l_i == 0``
        give 0 and -inf.
 
+    Packed sequences (``cu_seqlens_q``, ``cu_seqlens_k``) run this on each sequence in turn, as
+    in `attention`.
+
     Parameters
     ----------
-    q, k, v, causal, window, scale, return_lse
+    q, k, v, causal, window, scale, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
         As in `attention`.
     block_m : int, optional
         Query rows per block.
@@ -254,6 +254,11 @@ def tiled_attention(
         if isinstance(b, (bool, np.bool_)) or not isinstance(b, (numbers.Integral, np.integer)) or b < 1:
             raise ValueError(f"{name} must be a positive int, got {b!r}")
     block_m, block_n = int(block_m), int(block_n)
+    packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
+    if packed is not None:
+        out, lse = _per_sequence(tiled_attention, q, k, v, batch, packed, causal=causal, window=window, scale=scale,
+                                 block_m=block_m, block_n=block_n)
+        return (out, lse) if return_lse else out
 
     nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     q = np.broadcast_to(q, batch + (nq, d))
@@ -364,13 +369,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dout = _as_float64("dout", dout)
     out = _as_float64("out", out)
     lse = _as_float64("lse", lse)
-    for name, x, want in (
-        ("dout", dout, batch + (nq, dv_dim)),
-        ("out", out, batch + (nq, dv_dim)),
-        ("lse", lse, batch + (nq,)),
-    ):
-        if x.shape != want:
-            raise ValueError(f"{name} must have shape {want}, got {x.shape}")
+    check_backward_arrays(batch, nq, dv_dim, None, dout=(dout.shape, None), out=(out.shape, None), lse=(lse.shape, None))
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     if packed is not None:
         grads = [np.zeros(x.shape) for x in (q, k, v)]
@@ -409,6 +408,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
 # ---------------------------------------------------------------------------------------------
 
 
+def _host_dtype(name: str, x) -> np.dtype:
+    """The dtype of an array argument as given, before `_as_float64`."""
+    _as_host(name, x)
+    return np.asarray(x).dtype
+
+
 def _host_cache(name: str, x) -> np.ndarray:
     """A cache argument: a writable NumPy array of a real floating dtype (written in place)."""
     _as_host(name, x)
@@ -421,7 +426,9 @@ def _host_cache(name: str, x) -> np.ndarray:
 def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
                       causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False):
     """Attention of a few new query rows per sequence against a KV cache, in float64; the
-    NumPy twin of `cuflash.attention_kvcache` (docs/contract.md).
+    NumPy twin of `cuflash.attention_kvcache` (docs/contract.md), whose shape rules it applies
+    (`cuflash._checks.kvcache_shapes`): D and Dv whole 16-byte rows of q's dtype up to 256, query
+    heads grouped along the last dim before Nq only, k_new and v_new of the caches' dims.
 
     Parameters
     ----------
@@ -456,42 +463,23 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     lse : ndarray, shape (B, ...) + (Nq,), only with ``return_lse=True``
     """
     left, right = normalize_window(causal, window)
+    q_dtype = _host_dtype("q", q)   # the GPU function's rules on head dims are in its rows of this dtype
     q = _as_float64("q", q)
     k_cache, v_cache = _host_cache("k_cache", k_cache), _host_cache("v_cache", v_cache)
-    if q.ndim < 3:
-        raise ValueError(f"q must have at least 3 dims (B, ..., Nq, D), got shape {q.shape}")
-    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_))
-                                   or not isinstance(num_splits, (numbers.Integral, np.integer)) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    check_num_splits(num_splits)
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together: give both or neither")
-    if k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[-2] != v_cache.shape[-2]:
-        raise ValueError(
-            f"k_cache and v_cache must have the same pages (or sequences) and rows, got shapes {k_cache.shape} "
-            f"and {v_cache.shape}"
-        )
-    batch, rows = q.shape[0], k_cache.shape[-2]
+    if k_new is not None:
+        k_new, v_new = _as_float64("k_new", k_new), _as_float64("v_new", v_new)
     if block_table is not None:
         _as_host("block_table", block_table)
         block_table = np.asarray(block_table)
-        if block_table.dtype.kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
-            raise TypeError(f"block_table must be an int array of shape ({batch}, max_pages), got dtype "
-                            f"{block_table.dtype} and shape {block_table.shape}")
-        capacity = block_table.shape[1] * rows
-    else:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache must hold one cache per sequence of q: {batch}, got {k_cache.shape[0]}")
-        capacity = rows
+    shapes = kvcache_shapes(q.shape, k_cache.shape, v_cache.shape, None if k_new is None else (k_new.shape, v_new.shape),
+                            block_table, q_dtype.itemsize, q_dtype.name)
+    batch, rows, capacity, n_new = q.shape[0], shapes.rows, shapes.capacity, shapes.n_new
     _as_host("cache_seqlens", cache_seqlens)
     seqlens = host_cache_seqlens(cache_seqlens, batch, None if block_table is not None else rows)
-    n_new = 0
-    if k_new is not None:
-        k_new, v_new = _as_float64("k_new", k_new), _as_float64("v_new", v_new)
-        n_new = k_new.shape[-2]
-        if k_new.shape[0] != batch or v_new.shape[0] != batch or v_new.shape[-2] != n_new:
-            raise ValueError(f"k_new and v_new must be (B, ..., Nnew, D) with B = {batch} and one Nnew, got shapes "
-                             f"{k_new.shape} and {v_new.shape}")
-    lengths, pages = kvcache_lengths(seqlens, n_new, capacity, block_table, k_cache.shape[0], rows, bool(check))
+    lengths, pages = kvcache_lengths(seqlens, n_new, capacity, block_table, shapes.num_pages, rows, bool(check))
 
     def place(b, j):   # the cache index of key j of sequence b
         return (int(pages[b, j // rows]), j % rows) if pages is not None else (b, j)
@@ -526,11 +514,7 @@ def merge_attention(outs, lses):
     out_s`` and ``lse = log sum_s exp(lse_s)``; rows where every ``lse_s`` is -inf give out 0 and
     lse -inf.
     """
-    outs = np.stack([_as_float64("outs", o) for o in outs]) if isinstance(outs, (list, tuple)) else _as_float64("outs", outs)
-    lses = np.stack([_as_float64("lses", x) for x in lses]) if isinstance(lses, (list, tuple)) else _as_float64("lses", lses)
-    if outs.ndim < 3 or lses.shape != outs.shape[:-1]:
-        raise ValueError(f"outs must be (parts, ..., Nq, Dv) and lses (parts, ..., Nq), got shapes {outs.shape} "
-                         f"and {lses.shape}")
+    outs, lses = (np.stack(parts) for parts in merge_parts(outs, lses, _as_float64))
     lse = np.logaddexp.reduce(lses, axis=0)
     seen = np.isfinite(lse)
     weights = np.where(seen, np.exp(lses - np.where(seen, lse, 0.0)), 0.0)

@@ -16,10 +16,14 @@ NumPy reference (cuflash.reference).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import cuflash
+
+if __name__ == "__main__":   # before the GPU check: --help works on any machine
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 
 try:
     cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback

@@ -18,6 +18,17 @@ import sys
 
 import cuflash
 
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()   # before the GPU check: --help works on any machine
+
 try:
     cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
 except RuntimeError as err:
@@ -73,11 +84,7 @@ def check_attention_gradient(rng):
     assert worst < 1e-2, "attention gradient does not match finite differences"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    args = ap.parse_args()
+def main(args):
     rng = np.random.default_rng(0)
     check_attention_gradient(rng)
 
@@ -107,4 +114,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

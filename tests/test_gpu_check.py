@@ -7,11 +7,16 @@ old for CuPy's runtime, a driver that sees no GPU.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
+import textwrap
 import types
 
 import pytest
 
+import cuflash
 from cuflash import _gpu
 
 
@@ -88,8 +93,53 @@ def test_gpu_present(monkeypatch):
 
 
 def test_require_gpu_says_the_problem(monkeypatch):
-    import cuflash
-
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(status=35, driver=0))   # CuPy imports, no driver
     monkeypatch.setattr(_gpu, "_problem", ["no NVIDIA driver is installed (libcuda.so.1 could not be loaded)"])
     with pytest.raises(RuntimeError, match=r"need an NVIDIA GPU: no NVIDIA driver is installed \(libcuda"):
         cuflash.require_gpu()
+
+
+def run_without_cupy(code: str) -> str:
+    """The standard output of ``code`` run in a fresh process where ``import cupy`` fails."""
+    code = 'import sys\nsys.modules["cupy"] = None   # import cupy raises ModuleNotFoundError\n' + textwrap.dedent(code)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(cuflash.__file__)))   # the cuflash under test
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_cuflash_reaches_naive_without_cupy():
+    """`import cuflash` makes cuflash.naive reachable (docs/contract.md), and needs no CuPy for it."""
+    out = run_without_cupy("""
+        import cuflash
+        print(callable(cuflash.naive.attention), callable(cuflash.naive.attention_backward), "naive" in cuflash.__all__)
+    """)
+    assert out.split() == ["True", "True", "True"]
+
+
+def test_require_gpu_and_the_gpu_functions_raise_one_error_without_cupy():
+    """Without CuPy, cuflash.require_gpu() and every GPU function raise the same error: one type,
+    an ImportError (docs/contract.md) that is also the RuntimeError scripts catch around
+    require_gpu(), and one message."""
+    out = run_without_cupy("""
+        import json
+        import numpy as np
+        import cuflash
+        x, lse = np.ones((2, 4, 8), np.float16), np.zeros((2, 4), np.float32)
+        calls = [cuflash.require_gpu, lambda: cuflash.attention(x, x, x),
+                 lambda: cuflash.attention_backward(x, x, x, x, x, lse), lambda: cuflash.attention_vjp(x, x, x),
+                 lambda: cuflash.merge_attention([x], [lse]), lambda: cuflash.attention_kvcache(x, x, x)]
+        errors = []
+        for call in calls:
+            try:
+                call()
+            except Exception as err:
+                errors.append([type(err).__name__, isinstance(err, ImportError), isinstance(err, RuntimeError), str(err)])
+        print(json.dumps(errors))
+    """)
+    errors = json.loads(out)
+    assert len(errors) == 6, errors
+    assert all(e == errors[0] for e in errors), errors
+    _, is_import_error, is_runtime_error, message = errors[0]
+    assert is_import_error and is_runtime_error
+    assert message.startswith("cuflash's GPU functions need an NVIDIA GPU: CuPy is not installed: pip install cupy-cuda12x ")

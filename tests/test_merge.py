@@ -80,3 +80,21 @@ def test_merge_argument_errors():
         cuflash.merge_attention([o, o[:, :5]], [x, x])
     with pytest.raises(TypeError, match="cupy.ndarray"):
         cuflash.merge_attention([np.zeros((2, 10, 8))], [x])
+
+
+def test_merge_argument_errors_are_those_of_the_reference():
+    """The same bad parts give the same ValueError on the GPU and in cuflash.reference (one check,
+    cuflash._checks.merge_parts)."""
+    from test_reference import MERGE_ERRORS
+
+    def on_gpu(given, dtype):
+        if isinstance(given, list):
+            return [cupy.asarray(x, dtype=dtype) for x in given]
+        return cupy.asarray(given, dtype=dtype)
+
+    for (outs, lses), message in MERGE_ERRORS:
+        for merge, args in ((reference.merge_attention, (outs, lses)),
+                            (cuflash.merge_attention, (on_gpu(outs, cupy.float16), on_gpu(lses, cupy.float32)))):
+            with pytest.raises(ValueError) as err:
+                merge(*args)
+            assert str(err.value) == message, merge

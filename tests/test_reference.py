@@ -831,3 +831,135 @@ def test_merge_of_rows_without_keys():
     assert (out[:2] == 0).all() and (lse[:2] == -np.inf).all()
     np.testing.assert_allclose(out[2], 7.0)
     assert lse[2] == 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference refuses what the GPU functions refuse, with the same errors (cuflash._checks)
+# ---------------------------------------------------------------------------------------------
+
+_O, _L = np.zeros((2, 3, 4)), np.zeros((2, 3))
+
+# bad merge_attention arguments, and the message both merge_attention functions give for them
+MERGE_ERRORS = [
+    (([], []), "outs must hold at least one part, got an empty list"),
+    (([_O, _O], [_L]), "outs and lses must hold the same number of parts, got 2 and 1"),
+    ((np.stack([_O, _O]), np.stack([_L, _L, _L])), "outs and lses must hold the same number of parts, got 2 and 3"),
+    (([_O, _O[:, :2]], [_L, _L]),
+     "every part of outs must have the shape (..., Nq, Dv) of outs[0], (2, 3, 4), got outs[1].shape = (2, 2, 4)"),
+    (([_O[0, 0]], [_L[0, 0]]), "every part of outs must have the shape (..., Nq, Dv) of outs[0], (4,), got outs[0].shape = (4,)"),
+    (([_O], [_L[:, :2]]), "lses[0] must have shape (2, 3), got (2, 2)"),
+    (([_O, _O], [_L, _L.T]), "lses[1] must have shape (2, 3), got (3, 2)"),
+    ((np.zeros((0, 3, 4)), np.zeros((0, 3))), "outs must have a first axis of parts (at least one), got shape (0, 3, 4)"),
+]
+
+
+@pytest.mark.parametrize("args, message", MERGE_ERRORS)
+def test_merge_argument_errors_name_the_argument(args, message):
+    """Bad parts raise the GPU function's ValueError naming the argument (cuflash._checks.merge_parts),
+    never a NumPy broadcasting or stacking error."""
+    with pytest.raises(ValueError) as err:
+        reference.merge_attention(*args)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [reference.attention, reference.tiled_attention,
+     lambda q, k, v: reference.attention_backward(np.ones(q.shape[:-1] + v.shape[-1:]), q, k, v,
+                                                  np.ones(q.shape[:-1] + v.shape[-1:]), np.zeros(q.shape[:-1]))],
+    ids=["attention", "tiled_attention", "attention_backward"],
+)
+@pytest.mark.parametrize(
+    "d, dv, message",
+    [(300, 8, "q has head dim (last axis) 300; cuflash supports head dims up to 256"),
+     (8, 257, "v has value head dim (last axis) 257; cuflash supports head dims up to 256")],
+)
+def test_head_dims_over_256_are_refused_as_on_the_gpu(fn, d, dv, message):
+    """The GPU functions take head dims up to 256 (docs/contract.md); the reference refuses the
+    others with the same ValueError (cuflash._checks.check_shapes)."""
+    with pytest.raises(ValueError) as err:
+        fn(np.ones((2, 3, d)), np.ones((2, 5, d)), np.ones((2, 5, dv)))
+    assert str(err.value) == message
+
+
+def test_head_dim_256_is_taken():
+    out = reference.attention(np.ones((3, 256)), np.ones((5, 256)), np.ones((5, 256)))
+    assert out.shape == (3, 256)
+
+
+@pytest.mark.parametrize(
+    "q_shape, cache_shape, new_shape, message",
+    [
+        ((2, 1, 4), (2, 9, 4), None,
+         "attention_kvcache takes head dims of whole 16-byte rows up to 256 (8, 16, ... for float16), got D = 4"),
+        ((2, 1, 264), (2, 9, 264), None,
+         "attention_kvcache takes head dims of whole 16-byte rows up to 256 (8, 16, ... for float16), got D = 264"),
+        ((2, 2, 3, 1, 8), (2, 1, 1, 9, 8), None, "attention_kvcache groups query heads along the last dim before Nq only"),
+        ((2, 1, 1, 8), (2, 4, 9, 8), None, "q's dims (1,) must hold the caches' (4,) (q is not broadcast)"),
+        ((2, 1, 8), (2, 1, 9, 8), None, "q (B, ..., Nq, D) and the caches (B or pages, ..., rows, D) must have one number"),
+        ((2, 4, 1, 8), (2, 4, 9, 8), (2, 1, 1, 8), "k_new and v_new must be (B, <the caches' dims>, Nnew, D / Dv)"),
+    ],
+    ids=["D-not-16-bytes", "D-over-256", "two-grouped-dims", "q-broadcast", "ndim", "k_new-dims"],
+)
+def test_kvcache_shapes_are_refused_as_on_the_gpu(q_shape, cache_shape, new_shape, message):
+    """The reference's attention_kvcache applies the GPU function's shape rules (cuflash._checks.kvcache_shapes),
+    head dims in rows of q's dtype, before anything is written."""
+    caches = np.zeros(cache_shape, np.float16), np.zeros(cache_shape, np.float16)
+    news = {} if new_shape is None else {"k_new": np.ones(new_shape, np.float16), "v_new": np.ones(new_shape, np.float16)}
+    with pytest.raises(ValueError) as err:
+        reference.attention_kvcache(np.ones(q_shape, np.float16), *caches, cache_seqlens=0, **news)
+    assert str(err.value).startswith(message)
+    assert not caches[0].any() and not caches[1].any()
+
+
+def test_tiled_takes_the_keywords_of_attention():
+    """docs/contract.md: tiled_attention has the arguments of attention (and its block sizes)."""
+    import inspect
+
+    params = inspect.signature(reference.tiled_attention).parameters
+    for name, p in inspect.signature(reference.attention).parameters.items():
+        assert name in params and params[name].kind == p.kind and params[name].default == p.default, name
+
+
+@settings(max_examples=40, deadline=None)
+@given(packed_problems(), st.sampled_from([1, 4, 16]), st.sampled_from([1, 4, 16]))
+def test_tiled_packed_sequences_match_attention(p, block_m, block_n):
+    q, k, v, _, cu_q, cu_k, causal, window = p
+    keywords = {"causal": causal, "window": window, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "return_lse": True}
+    out, lse = reference.tiled_attention(q, k, v, block_m=block_m, block_n=block_n, **keywords)
+    want_out, want_lse = reference.attention(q, k, v, **keywords)
+    np.testing.assert_allclose(out, want_out, rtol=1e-10, atol=1e-12)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-10, atol=1e-12)
+
+
+def test_tiled_packed_offsets_are_checked_and_clamped_as_in_attention():
+    q, k, v = np.ones((4, 8)), np.ones((5, 8)), np.ones((5, 8))
+    for given, match in (({"cu_seqlens_q": _cu(0, 4)}, "give both or neither"),
+                         ({"cu_seqlens_q": _cu(0, 1, 4), "cu_seqlens_k": _cu(0, 2, 5), "max_seqlen_q": 2},
+                          "max_seqlen_q = 2 is less than the length 3")):
+        with pytest.raises(ValueError, match=match):
+            reference.tiled_attention(q, k, v, **given)
+    unchecked = {"cu_seqlens_q": _cu(0, 2, 99), "cu_seqlens_k": _cu(-7, 3, 1), "check": False, "return_lse": True}
+    out, lse = reference.tiled_attention(q, k, v, block_m=2, block_n=2, **unchecked)
+    want_out, want_lse = reference.attention(q, k, v, **unchecked)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12)   # -inf on rows 2 and 3 (sequence 1 has no key)
+
+
+@pytest.mark.parametrize(
+    "name, shape, message",
+    [("out", (3, 5, 16), "out must have shape (2, 3, 5, 16) (as attention(q, k, v) returns it), got shape (3, 5, 16)"),
+     ("dout", (2, 3, 5, 8), "dout must have shape (2, 3, 5, 16) (those of out), got shape (2, 3, 5, 8)"),
+     ("lse", (2, 3, 5, 1),
+      "lse must have shape (2, 3, 5) (as attention(q, k, v, return_lse=True) returns it), got shape (2, 3, 5, 1)")],
+)
+def test_backward_out_dout_lse_are_checked_as_on_the_gpu(name, shape, message):
+    """The shapes of out, dout and lse are checked by the GPU function's rule (cuflash._checks.check_backward_arrays),
+    against the broadcast batch; their dtypes are free (computed in float64)."""
+    given = {"dout": np.ones((2, 3, 5, 16)), "out": np.ones((2, 3, 5, 16)), "lse": np.zeros((2, 3, 5)), name: np.ones(shape)}
+    with pytest.raises(ValueError) as err:
+        reference.attention_backward(given["dout"], np.ones((2, 3, 5, 8)), np.ones((3, 7, 8)), np.ones((3, 7, 16)),
+                                     given["out"], given["lse"])
+    assert str(err.value) == message

@@ -50,6 +50,17 @@ def test_script_without_gpu_says_why_in_one_line(tmp_path, script, args):
     assert lines[0].startswith(f"{name}: cuflash's GPU functions need an NVIDIA GPU: "), lines[0]
 
 
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_example_help_works_without_gpu(script):
+    """--help is read before the GPU check: it prints the usage and exits 0 on any machine."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"usage: {script} "), done.stdout + done.stderr
+
+
 def run_against(script, tmp_path, now: dict, before: dict) -> list[str]:
     """The output lines of a summarizer run on ``now`` with --against ``before`` (written as JSON)."""
     import json
