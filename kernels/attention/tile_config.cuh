@@ -77,7 +77,7 @@ struct Sm90FwdConfig {
     static constexpr int BLOCK_M = 64 * WARPGROUPS;
     static constexpr int THREADS = 128 * WARPGROUPS;
     static constexpr int STAGES = STAGES_;   // K and V blocks in flight
-    // A third stage measured no faster (bench/NOTES.md) and is not verified.
+    // A third stage measured no faster (docs/design.md, "Hopper forward") and is not verified.
     static_assert(STAGES == 2, "the forward runs two K/V stages");
 
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
@@ -111,7 +111,8 @@ struct LoadingWarpgroupBlock {
 // computes; one where two do not fit, head dim 256), K and V a ring of STAGES. Loading
 // through the copy engine (TMA_LOADS), the one loading thread needs 24 registers; by
 // cp.async, with its address arithmetic, 56. (Head dim 256 keeps 56 either way: its
-// computing warpgroups ran 4 % slower with the 16 more registers, bench/NOTES.md v20.)
+// computing warpgroups ran 4 % slower with the 16 more registers; docs/design.md,
+// "Tiles and dispatch".)
 template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_, bool TMA_LOADS, int CONSUMERS>
 struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 24 : 56, CONSUMERS> {
     using Storage = typename T::storage;
@@ -123,7 +124,7 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 2
     // a row's maxima and sums in four chains: a computing warp's softmax runs while the other
     // warpgroup's products do, with no other warp of its own to hide each step's latency
     // (1.00-1.10x one chain at head dims 64 and 128; at 256, 0.95-1.04x: one there;
-    // bench/NOTES.md v32)
+    // docs/design.md, "Hopper forward")
     static constexpr int SOFTMAX_CHAINS = HEAD_DIM_ == 256 ? 1 : 4;
 
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;

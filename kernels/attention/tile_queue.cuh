@@ -3,8 +3,8 @@
 // A persistent block that ran tiles blockIdx.x, + gridDim.x, ... got a fixed share of
 // the work. Under a causal mask a tile's work is its key blocks, and in the grid's
 // shapes the largest share came out 1.2-1.3 times the mean at head dim 128 (1.6-1.8 at
-// 256), the whole launch waiting for it (bench/NOTES.md v19). Here each block draws its
-// next tile from a counter when it is about to need one, in the launch's order
+// 256), the whole launch waiting for it; docs/design.md, "Hopper forward"). Here each
+// block draws its next tile from a counter when it is about to need one, in the launch's order
 // (heaviest first within each group of the grid order), so a block that drew light
 // tiles draws more of them.
 //

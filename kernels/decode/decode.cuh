@@ -142,7 +142,8 @@ struct DecodeTiles {
 // grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it.
 // TWO_LEVEL: launched in several clusters per row group (Hopper), whose merged parts meet
 // through global memory. A kernel of its own: that path's code, present but not taken,
-// made the short calls merged in one cluster 0.3 us slower (bench/NOTES.md v27).
+// made the short calls merged in one cluster 0.3 us slower (docs/design.md, "KV cache and
+// decoding").
 template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N, int LAYOUT, bool TWO_LEVEL>
 __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_decode(const DecodeParams p) {
     using Storage = typename T::storage;

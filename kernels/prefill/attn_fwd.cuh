@@ -55,7 +55,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, i
 // store_rows, without a test per store when every column of the tile is stored (the common
 // case). Not for tiles of more than 128 columns: the head-dim-256 forward sits at its register
 // limit, where the second copy of the loop changed its registers (and its forwards ran 5 %
-// slower in the grid; bench/NOTES.md v13). SATFINITE as in store_rows.
+// slower in the grid; docs/design.md, "Hopper forward"). SATFINITE as in store_rows.
 template <class T, bool SATFINITE = false, int M_TILES, int D_TILES>
 __device__ __forceinline__ void store_output(const AttnParams& p, const Work& w, int m0, int m_end, int col0,
                                              int warp_row0, const float (&acc)[M_TILES][D_TILES][4],

@@ -65,7 +65,7 @@ attn_fwd_sm90(const AttnParams p) {
     // by row bounds, saturation in the conversion and the hardware's reciprocal, for fewer
     // instructions per tile (short sequences are issue-bound). Head dim 256 sits at its
     // register limit and keeps its code (with a change in its loop its forwards ran 5 %
-    // slower; bench/NOTES.md v13).
+    // slower; docs/design.md, "Hopper forward").
     constexpr bool LEAN = HEAD_DIM <= 128;
     using Tile = FwdTile<Cfg, LEAN>;
 

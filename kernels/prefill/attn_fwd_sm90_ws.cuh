@@ -9,7 +9,8 @@
 // empty: its last reader is done). The CONSUMERS warpgroups after it (two, or three
 // at head dim 64, where a tile's exponentials weigh most against its products) only
 // compute, each 64 rows of the tile, with the same products and online softmax as
-// attn_fwd_sm90, but for two savings in the softmax's arithmetic (bench/NOTES.md v28):
+// attn_fwd_sm90, but for two savings in the softmax's arithmetic (docs/design.md,
+// "Hopper forward"):
 // each exponent is one FMA against the row's rounded scaled max (softmax.cuh: ROUNDED_BASE),
 // and a warp whose rows kept their maxima skips the accumulator's rescale. The
 // block is persistent: it runs tiles in turn, drawing each next one from the launch's
