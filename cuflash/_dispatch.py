@@ -167,7 +167,7 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
         dq_res, dkdv_res = sm90.dq_resident, sm90.dkdv_resident
         threads, dkdv_threads = sm90.dq_threads, sm90.dkdv_threads
         dq_smem, dkdv_smem = sm90.smem_bytes(itemsize), sm90.dkdv_smem_bytes(itemsize)
-        dq_cols, dkdv_cols = -(-width // sm90.dq_dcol), -(-width // sm90.dkdv_dcol)
+        dq_cols = dkdv_cols = 1   # a block holds gradients of every column
         per_sm = sm90.dkdv_blocks_per_sm
     else:
         tiles = bwd_tiles(x.dtype_name, head_dim)
@@ -221,8 +221,13 @@ def decode_splits(blocks: int, longest: int, forced: int | None, slots: int, blo
     each), they share its reading, each gaining DECODE_SHARED_GAIN of a block's rate per
     block beside it.
     Cluster 1: through global memory, by the last block of each row group, whose four warps
-    take its ``rows`` rows in turn, each an L2 round trip for the parts' lse and one per eight
-    parts. Or, where ``cluster_slots(c, two_level)`` (blocks that run at once in clusters of
+    take its ``rows`` rows two at a time (kernels/decode/merge.cuh, merge_rows_by_warp: rows
+    r and r + 4 side by side, then r + 8 and r + 12...), ceil(rows / 8) rounds of an L2 round
+    trip for the parts' lse and one per eight parts (at head dim 128; 16 at 64, 4 at 256). The
+    model's merge term still counts ceil(rows / 4) rounds, one row per warp at a time, as
+    before the pairs (not measured since): up to twice the kernel's (8 rows, as G = 8 at
+    Nq = 1: 2 rounds for 1).
+    Or, where ``cluster_slots(c, two_level)`` (blocks that run at once in clusters of
     c, of the kernel that merges in one level or two; 0: none fit) is given, in clusters of c
     splits (c dividing the count): at most that many blocks at once, merged on chip; with
     fewer splits per cluster than the count (two levels), the clusters' parts then through

@@ -83,8 +83,8 @@ class Sm90FwdTiles:
     head_dim: int  # d and dv padded up to this bucket, a multiple of 64
     block_n: int  # keys per pipeline step
     warpgroups: int  # each owns 64 query rows
-    stages: int = 2  # K and V blocks in flight
     min_blocks: int = 1  # blocks per SM the registers are budgeted for
+    stages = 2  # K and V blocks in flight (tile_config.cuh: Sm90FwdConfig::STAGES)
 
     @property
     def block_m(self) -> int:
@@ -109,13 +109,12 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         # one warpgroup per block, four blocks per SM (docs/design.md, "Hopper forward")
-        return Sm90FwdTiles(64, 64, warpgroups=1, stages=2, min_blocks=4)
+        return Sm90FwdTiles(64, 64, warpgroups=1, min_blocks=4)
     # by measurement (bench/tune_tiles.py; docs/design.md, "Hopper forward"): a third K/V stage gained
-    # nothing, and 64-key blocks beat 128 at head dim 64. (hopper_fwd_tiles runs these at
-    # head dim 256; at 64 and 128 it runs the loading-warpgroup kernel, but for the short
-    # tiles above.)
+    # nothing, and 64-key blocks beat 128 at head dim 64. (hopper_fwd_tiles runs these only
+    # where no tensor map describes a head-dim-256 call, and for the short tiles above.)
     block_n = 128 if head_dim == 128 else 64
-    return Sm90FwdTiles(head_dim, block_n, warpgroups=2, stages=2)
+    return Sm90FwdTiles(head_dim, block_n, warpgroups=2)
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,6 @@ class Sm90WsFwdTiles:
     block_n: int  # keys per ring buffer
     stages: int  # K and V buffers in the ring
     tma: bool = False  # loads by the copy engine through tensor maps (_tensor_map.attention_maps), else cp.async
-    pingpong: bool = False  # the computing warpgroups take turns issuing their products (slower: NOTES v17, v28)
     q_buffers: int = 2  # Q tiles in flight: the next tile's loads under this one's products
     consumers: int = 2  # computing warpgroups
 
@@ -225,13 +223,13 @@ def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = Fals
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
     return (f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {t.consumers}, "
-            f"{_flag(packed)}, {_flag(t.tma)}, {_flag(t.pingpong)}>")
+            f"{_flag(packed)}, {_flag(t.tma)}>")
 
 
 def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    rest = f"{t.warpgroups}, {t.stages}, {t.min_blocks}, {_flag(packed)}"
+    rest = f"{t.warpgroups}, {t.min_blocks}, {_flag(packed)}"
     return f"cuflash::attn_fwd_sm90<{elem}, {t.head_dim}, {t.block_n}, {rest}>"
 
 
@@ -278,28 +276,30 @@ def bwd_names(dtype_name: str, tiles: BwdTiles, packed: bool = False) -> tuple[s
 class Sm90BwdTiles:
     """Tile shape of the Hopper backward kernels (kernels/prefill/attn_bwd_sm90.cuh)."""
 
-    head_dim: int  # d and dv padded up to this bucket, a multiple of 64
-    dkdv_dcol: int  # dk/dv columns per block (a grid dimension when < head_dim)
-    dq_dcol: int  # dq columns per block
+    head_dim: int  # d and dv padded up to this bucket, a multiple of 64 (every column in one block)
     step: int  # rows of the streamed side per pipeline step
     warpgroups: int  # each owns 64 resident rows
     stages: int = 2  # steps in flight
     min_blocks: int = 1  # blocks per SM the registers are budgeted for
     # dk/dv by attn_bwd_dkdv_wide_sm90: both warpgroups on the same 64 keys, one
-    # accumulating dv, the other dk, over all columns (dkdv_dcol = head_dim)
+    # accumulating dv, the other dk
     wide_dkdv: bool = False
     # the dq pass's own step and stages; 0: those of dk/dv
     dq_step: int = 0
     dq_stages: int = 0
     # dk/dv by attn_bwd_dkdv_sm90_ws, a loading warpgroup and two computing ones (64
-    # keys each; with wide_dkdv attn_bwd_dkdv_wide_sm90_ws, both on the same 64), with
-    # this many stages of queries in flight; 0: the kernels without a loading warpgroup
+    # keys each), with this many stages of queries in flight; 0: the kernels without a
+    # loading warpgroup (and with wide_dkdv)
     dkdv_ws_stages: int = 0
     # the same for the dq pass (attn_bwd_dq_sm90_ws: 128 queries, steps of the dq step)
     dq_ws_stages: int = 0
     # dq added up in float32 by the dk/dv pass on a loading warpgroup, in any order
     # (deterministic=False; no dq pass): head dims 64 and 128
     dkdv_adds_dq: bool = False
+
+    def __post_init__(self):
+        if self.wide_dkdv and self.dkdv_ws_stages:
+            raise ValueError("the wide dk/dv pass runs without a loading warpgroup")
 
     @property
     def resident(self) -> int:
@@ -335,12 +335,9 @@ class Sm90BwdTiles:
         return 1 if self.dkdv_ws_stages else self.min_blocks
 
     def dkdv_smem_bytes(self, itemsize: int) -> int:
-        if self.dkdv_ws_stages and self.wide_dkdv:   # 64 keys, and one step of p^T as float32
-            return (self._ws_smem_bytes(64, self.step, self.dkdv_ws_stages, itemsize, row_stats=True)
-                    + 64 * self.step * 4)
         if self.dkdv_ws_stages:   # steps of 64 queries with their lse and delta (adding dq up: four 64 x 64
-            # tiles of ds^T, and a float32 chunk of 16 dq rows per warp of a warpgroup)
-            ds = (4 * 64 * 64 * itemsize + 4 * 16 * self.head_dim * 4) if self.dkdv_adds_dq else 0
+            # tiles of ds^T, and a float32 chunk of 16 dq rows per computing warp)
+            ds = (4 * 64 * 64 * itemsize + 8 * 16 * self.head_dim * 4) if self.dkdv_adds_dq else 0
             return self._ws_smem_bytes(128, 64, self.dkdv_ws_stages, itemsize, row_stats=True) + ds
         if not self.wide_dkdv:
             return self._smem_bytes(self.resident, self.step, self.stages, itemsize)
@@ -372,36 +369,32 @@ SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_MIN_QUERIES_D64,
                    deterministic: bool = True) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
-    None (as sm90_fwd_tiles). Not deterministic: from 2048 query rows at head dims 64 and
-    128, the dk/dv pass on a loading warpgroup adds dq up too (no dq pass; bench/NOTES.md
-    v35: 1.06-1.27x the deterministic backward at 64, 0.99-1.13x at 128 with three stages
-    of queries, which fit there once the pass keeps no dq pass's buffers); elsewhere the
-    same tiles.
+    None (as sm90_fwd_tiles), by measurement (docs/design.md, "Backward").
 
-    At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not
-    two: dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128
-    both passes run on a loading warpgroup (bench/NOTES.md v18: 1.08-1.19x the
-    backward), dq over 128 keys a step; at 64 the dk/dv pass does from 2048 queries (1.01-1.10x; below, its
-    fewer and longer blocks lose, and the dq pass on one gains nothing)."""
+    At head dim 256 a warpgroup can hold one 64 x 256 gradient accumulator but not two:
+    dk/dv runs the wide kernel (dv in one warpgroup, dk in the other). At 128 both passes
+    run on a loading warpgroup (1.08-1.19x the passes without one), dq over 128 keys a step
+    (1.00-1.10x 64); at 64 the dk/dv pass does from 2048 queries (1.01-1.10x; below, its
+    fewer and longer blocks lose, and the dq pass on one gains nothing). Not deterministic:
+    from 2048 query rows at head dims 64 and 128, the dk/dv pass on a loading warpgroup adds
+    dq up too (no dq pass); elsewhere the same tiles."""
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
     if head_dim == 256:
-        return Sm90BwdTiles(256, 256, 256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
+        return Sm90BwdTiles(256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
     adds_dq = not deterministic and queries >= SM90_WS_BWD_MIN_QUERIES_D64
     if head_dim == 64:
-        # by measurement (bench/NOTES.md v8): one warpgroup per block and two blocks
-        # per SM, with no barrier between them, so one block's exponentials run
-        # during the other's products; dk/dv's gradient products overlapping the
-        # next step (3 stages); dq over 128 keys per step
+        # one warpgroup per block and two blocks per SM, with no barrier between them, so one
+        # block's exponentials run during the other's products; dk/dv's gradient products
+        # overlapping the next step (3 stages); dq over 128 keys per step
         ws = 4 if queries >= SM90_WS_BWD_MIN_QUERIES_D64 else 0
-        return Sm90BwdTiles(64, 64, 64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
+        return Sm90BwdTiles(64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
                             dkdv_ws_stages=ws, dkdv_adds_dq=adds_dq)
-    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90;
-    # the dk/dv pass on a loading warpgroup gains nothing from three, v35, unless it adds dq up);
-    # at head dim 128 the dq pass over 128 keys a step (1.00-1.10x 64, bench/NOTES.md v20)
-    return Sm90BwdTiles(head_dim, head_dim, head_dim, step=64, warpgroups=2, stages=2,
-                        dkdv_ws_stages=3 if adds_dq else 2, dq_ws_stages=2, dq_step=128 if head_dim == 128 else 0,
-                        dkdv_adds_dq=adds_dq)
+    # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90,
+    # and gain nothing on a loading warpgroup; adding dq up, a third does not fit beside the
+    # dq chunks); at head dim 128 the dq pass over 128 keys a step
+    return Sm90BwdTiles(head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2, dq_ws_stages=2,
+                        dq_step=128 if head_dim == 128 else 0, dkdv_adds_dq=adds_dq)
 
 
 def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -> tuple[str, str]:
@@ -409,21 +402,19 @@ def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
     flag = _flag(packed)
-    if t.wide_dkdv and t.dkdv_ws_stages:
-        dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90_ws<{elem}, {t.head_dim}, {t.step}, {t.dkdv_ws_stages}, {flag}>"
-    elif t.wide_dkdv:
+    if t.wide_dkdv:
         dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}, {flag}>"
     elif t.dkdv_ws_stages:
         adds = _flag(t.dkdv_adds_dq)
         dkdv = f"cuflash::attn_bwd_dkdv_sm90_ws<{elem}, {t.head_dim}, {t.dkdv_ws_stages}, {flag}, {adds}>"
     else:
         rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}, {flag}"
-        dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {t.dkdv_dcol}, {rest}>"
+        dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {rest}>"
     dq_step, dq_stages = t.dq_pipeline
     if t.dq_ws_stages:
         return dkdv, f"cuflash::attn_bwd_dq_sm90_ws<{elem}, {t.head_dim}, {dq_step}, {dq_stages}, {flag}>"
     dq_rest = f"{dq_step}, {t.warpgroups}, {dq_stages}, {t.min_blocks}, {flag}"
-    return dkdv, f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {t.dq_dcol}, {dq_rest}>"
+    return dkdv, f"cuflash::attn_bwd_dq_sm90<{elem}, {t.head_dim}, {dq_rest}>"
 
 
 def all_specializations(arch: str = "sm_80") -> list[str]:
@@ -458,6 +449,72 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                     names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
     return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
             + decode_specializations(arch))
+
+
+# Tile shapes besides the table's choices: the ones bench/tune_tiles.py times (16-bit types,
+# dense inputs). The tests run each against the reference, and CI compiles each
+# (candidate_specializations), so that a shape the tuner may pick has been checked already.
+SM90_WS_FWD_CANDIDATES = {
+    64: (Sm90WsFwdTiles(64, 128, 2), Sm90WsFwdTiles(64, 128, 2, consumers=3), Sm90WsFwdTiles(64, 128, 3, consumers=3)),
+    128: (Sm90WsFwdTiles(128, 128, 2), Sm90WsFwdTiles(128, 176, 2, q_buffers=1)),
+    256: (Sm90WsFwdTiles(256, 64, 2, q_buffers=1), Sm90WsFwdTiles(256, 80, 2, q_buffers=1)),
+}
+# (attn_fwd_sm90: one warpgroup per block and 2-4 blocks per SM overlap each other's
+# prologues and softmaxes with products, with no barrier between them)
+SM90_FWD_CANDIDATES = {
+    64: (Sm90FwdTiles(64, 64, 2), Sm90FwdTiles(64, 64, 1, 3), Sm90FwdTiles(64, 64, 1, 4), Sm90FwdTiles(64, 128, 1, 2)),
+    128: (Sm90FwdTiles(128, 128, 2), Sm90FwdTiles(128, 64, 2), Sm90FwdTiles(128, 64, 1, 2)),
+    256: (Sm90FwdTiles(256, 64, 2),),
+}
+# (three or more stages: a step's gradient products run during the next step; ws stages: the
+# passes on a loading warpgroup)
+SM90_BWD_CANDIDATES = {
+    64: (Sm90BwdTiles(64, 64, 2, 3, dq_step=128, dq_stages=3), Sm90BwdTiles(64, 64, 2, 4, dq_step=128, dq_stages=3),
+         Sm90BwdTiles(64, 64, 1, 3, 2, dq_step=128, dq_stages=2), Sm90BwdTiles(64, 64, 1, 3, 2, dq_stages=3),
+         Sm90BwdTiles(64, 64, 1, 4, 2, dq_stages=4),
+         Sm90BwdTiles(64, 64, 1, 3, 2, dq_step=128, dq_stages=2, dkdv_ws_stages=4),
+         Sm90BwdTiles(64, 64, 1, 3, 2, dq_step=128, dq_stages=2, dkdv_ws_stages=2, dq_ws_stages=3)),
+    128: (Sm90BwdTiles(128, 64, 2), Sm90BwdTiles(128, 64, 2, dkdv_ws_stages=2),
+          Sm90BwdTiles(128, 64, 2, dkdv_ws_stages=2, dq_ws_stages=2),
+          Sm90BwdTiles(128, 64, 2, dkdv_ws_stages=2, dq_ws_stages=3),
+          Sm90BwdTiles(128, 64, 2, dkdv_ws_stages=3, dq_ws_stages=2),
+          Sm90BwdTiles(128, 64, 2, dq_step=128, dkdv_ws_stages=2, dq_ws_stages=2)),
+    256: (Sm90BwdTiles(256, 32, 2, 3, wide_dkdv=True), Sm90BwdTiles(256, 32, 2, 3, wide_dkdv=True, dq_ws_stages=3)),
+}
+# the portable kernels, (block_m, block_n, warps) and BwdTiles
+FWD_CANDIDATES = {
+    64: (FwdTiles(64, 64, 64, 64, 4), FwdTiles(64, 64, 128, 64, 4), FwdTiles(64, 64, 128, 32, 4)),
+    128: (FwdTiles(128, 128, 128, 32, 4), FwdTiles(128, 128, 128, 64, 4)),
+    256: (FwdTiles(256, 256, 64, 32, 4), FwdTiles(256, 256, 64, 64, 4)),
+}
+BWD_CANDIDATES = {
+    64: (BwdTiles(64, 64, 64, 4), BwdTiles(64, 64, 32, 4)),
+    128: (BwdTiles(128, 128, 16, 4), BwdTiles(128, 128, 32, 4)),
+    256: (BwdTiles(256, 128, 16, 4),),   # (steps of 32 spill the dq pass)
+}
+
+
+def ws_fwd_loaders(tiles: Sm90WsFwdTiles) -> tuple[bool, ...]:
+    """The loaders a loading-warpgroup candidate runs with (``tma``): through tensor maps, and
+    by cp.async but with three computing warpgroups (which spill beside that loader)."""
+    return (True,) if tiles.consumers == 3 else (True, False)
+
+
+def candidate_specializations(arch: str = "sm_80") -> list[str]:
+    """The kernel name expressions of the tuning candidates above on a target."""
+    names = []
+    for dt in ("float16", "bfloat16"):
+        if arch == "sm_90a":
+            for ws in itertools.chain(*SM90_WS_FWD_CANDIDATES.values()):
+                names += [sm90_ws_fwd_name(dt, dataclasses.replace(ws, tma=tma)) for tma in ws_fwd_loaders(ws)]
+            names += [sm90_fwd_name(dt, t) for t in itertools.chain(*SM90_FWD_CANDIDATES.values())]
+            for t in itertools.chain(*SM90_BWD_CANDIDATES.values()):
+                names += sm90_bwd_names(dt, t)
+        # (the portable ones run on Hopper too where forced, as the tests do)
+        names += [fwd_name(dt, t) for t in itertools.chain(*FWD_CANDIDATES.values())]
+        for t in itertools.chain(*BWD_CANDIDATES.values()):
+            names += bwd_names(dt, t)
+    return list(dict.fromkeys(names))
 
 
 def merge_name(dtype_name: str) -> str:

@@ -123,3 +123,30 @@ def spin(seconds: float) -> None:
     cycles = int(seconds * (int(khz) or 2_000_000) * 1e3)
     _spin_kernel()((1,), (1,), (np.int64(cycles),))
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def every_kernel_launched_is_checked_in_ci():
+    """After a GPU run: each kernel the tests launched is one CI compiles with --werror
+    (tools/check_kernels.py: the library's specializations and the tuning candidates)."""
+    if GPU_MISSING is not None:
+        yield
+        return
+    from cuflash import _compile, _tiles
+
+    launched = set()
+    get_function = _compile.get_function
+
+    def recording(name_expression, smem_bytes):
+        launched.add(name_expression)
+        return get_function(name_expression, smem_bytes)
+
+    _compile.get_function = recording
+    try:
+        yield
+    finally:
+        _compile.get_function = get_function
+    arch = _compile.current_arch()
+    checked = set(_tiles.all_specializations(arch)) | set(_tiles.candidate_specializations(arch))
+    unchecked = sorted(launched - checked)
+    assert not unchecked, f"kernels launched that CI does not compile: {unchecked}"

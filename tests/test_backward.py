@@ -14,6 +14,8 @@ from conftest import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cuflash import _tiles
+
 pytestmark = requires_gpu
 
 if GPU_MISSING is None:
@@ -131,37 +133,38 @@ LOADING_WARPGROUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("d, dkdv_stages, dq_stages, dq_step", [(64, 2, 0, 0), (64, 4, 3, 0), (128, 2, 0, 0),
-                                                                (128, 3, 2, 0), (64, 0, 2, 0), (128, 0, 3, 64),
-                                                                (128, 2, 2, 64), (256, 0, 3, 0), (256, 3, 0, 0),
-                                                                (256, 4, 3, 0)])
-@pytest.mark.parametrize("q_shape, k_shape, mask", LOADING_WARPGROUP_CASES)
-def test_the_loading_warpgroup_passes(monkeypatch, d, dkdv_stages, dq_stages, dq_step, q_shape, k_shape, mask):
-    """attn_bwd_dkdv_sm90_ws and attn_bwd_dq_sm90_ws (0 stages: the other kernel; dq_step 0:
-    the tiles' own) at the ring depths and steps bench/tune_tiles.py may time, also where the
-    default does not pick them."""
-    import dataclasses
+SM90_BWD_CANDIDATES = [t for ts in _tiles.SM90_BWD_CANDIDATES.values() for t in ts]
+BWD_CANDIDATES = [t for ts in _tiles.BWD_CANDIDATES.values() for t in ts]
 
+
+@pytest.mark.parametrize("tiles", SM90_BWD_CANDIDATES + BWD_CANDIDATES, ids=str)
+@pytest.mark.parametrize("q_shape, k_shape, mask", LOADING_WARPGROUP_CASES)
+def test_the_tuners_backward_candidates(monkeypatch, tiles, q_shape, k_shape, mask):
+    """The Hopper and portable backward shapes bench/tune_tiles.py may time (ring depths and
+    steps of the passes with and without a loading warpgroup), also where the default does
+    not pick them."""
     from cuflash import _compile, _dispatch, _plans
 
-    if _compile.current_arch() != "sm_90a":
-        pytest.skip("the loading-warpgroup dk/dv pass is Hopper's (sm_90a)")
-    tiles = _dispatch.sm90_bwd_tiles("float16", d)
-    tiles = dataclasses.replace(tiles, dkdv_ws_stages=dkdv_stages, dq_ws_stages=dq_stages,
-                                dq_step=dq_step or tiles.dq_step)
-    monkeypatch.setattr(_dispatch, "sm90_bwd_tiles", lambda *args: tiles)
+    hopper = isinstance(tiles, _tiles.Sm90BwdTiles)
+    if hopper and _compile.current_arch() != "sm_90a":
+        pytest.skip("the Hopper backward passes run on sm_90a only")
+    monkeypatch.setattr(_dispatch, "sm90_bwd_tiles", lambda *args: tiles if hopper else None)
+    monkeypatch.setattr(_dispatch, "bwd_tiles", lambda *args: tiles)
     _plans.clear()
     try:
-        rng = np.random.default_rng(d + dkdv_stages + 7 * dq_stages + len(mask))
+        d = tiles.head_dim
+        rng = np.random.default_rng(d + len(str(tiles)) + len(mask))
         q = random_array(rng, q_shape + (d,), "float16", 4.0)
         k, v = (random_array(rng, k_shape + (d,), "float16") for _ in range(2))
         batch = np.broadcast_shapes(q_shape[:-1], k_shape[:-1])
         dout = random_array(rng, batch + (q_shape[-1], d), "float16")
         check_backward(q, k, v, dout, **mask)
-        out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
-        plan, _ = _plans.backward(dout, q, k, v, out, lse, mask.get("causal", False), mask.get("window"), None)
-        threads = [run.threads for run in plan.launches.runs]
-        assert threads.count(384) == (dkdv_stages > 0) + (dq_stages > 0)   # the loading warpgroups' launches
+        if hopper:
+            out, lse = cuflash.attention(q, k, v, return_lse=True, **mask)
+            plan, _ = _plans.backward(dout, q, k, v, out, lse, mask.get("causal", False), mask.get("window"), None)
+            threads = [run.threads for run in plan.launches.runs]
+            # the loading warpgroups' launches
+            assert threads.count(384) == (tiles.dkdv_ws_stages > 0) + (tiles.dq_ws_stages > 0)
     finally:
         _plans.clear()
 

@@ -15,6 +15,8 @@ from conftest import (
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from cuflash import _tiles
+
 pytestmark = requires_gpu
 
 if GPU_MISSING is None:
@@ -98,18 +100,25 @@ def test_grid_order_with_a_smaller_last_group(monkeypatch, d, entries):
     check_forward(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [100, 128])
-@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": (90, 30)}])
-def test_hopper_forward_of_two_warpgroups_at_head_dim_128(monkeypatch, dtype, d, mask):
-    """attn_fwd_sm90 at head dim 128 (its LEAN path): the library runs the loading-warpgroup
-    kernel there, but bench/tune_tiles.py times this one, and it must stay right."""
-    from cuflash import _compile, _dispatch, _plans, _tiles
+SM90_FWD_CANDIDATES = [t for ts in _tiles.SM90_FWD_CANDIDATES.values() for t in ts]
+FWD_CANDIDATES = [t for ts in _tiles.FWD_CANDIDATES.values() for t in ts]
 
-    if _compile.current_arch() != "sm_90a":
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("tiles", SM90_FWD_CANDIDATES + FWD_CANDIDATES, ids=str)
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": (90, 30)}])
+def test_the_tuners_forward_candidates(monkeypatch, dtype, tiles, mask):
+    """The attn_fwd_sm90 (Hopper) and portable shapes bench/tune_tiles.py may time, also where
+    the library runs another kernel, at a head dim below their bucket (zero-filled columns)."""
+    from cuflash import _compile, _dispatch, _plans
+
+    hopper = isinstance(tiles, _tiles.Sm90FwdTiles)
+    if hopper and _compile.current_arch() != "sm_90a":
         pytest.skip("attn_fwd_sm90 runs on Hopper only")
-    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: _tiles.Sm90FwdTiles(128, 128, warpgroups=2))
+    monkeypatch.setattr(_dispatch, "hopper_fwd_tiles", lambda *args: tiles if hopper else None)
+    monkeypatch.setattr(_dispatch, "fwd_tiles", lambda *args: tiles)
     monkeypatch.setattr(_plans, "_plans", {})   # plans made with the patch
+    d = tiles.head_dim - 28
     rng = np.random.default_rng(d + len(mask))
     q, k, v = (random_array(rng, (3, 2, n, d), dtype) for n in (333, 300, 300))
     check_forward(q * 3, k, v, **mask)

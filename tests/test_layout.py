@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuflash import _checks, _compile, _dispatch, _params, _tiles
+from cuflash import _checks, _compile, _dispatch, _mask, _params, _tiles
 
 
 def test_kernel_source_has_every_file():
@@ -85,11 +85,8 @@ def test_hopper_specializations_fit_shared_memory():
                         # not deterministic: the dk/dv pass on a loading warpgroup adds dq up at head dims 64 and 128
                         anyorder = _tiles.sm90_bwd_tiles(dt, hd, queries, False)
                         assert anyorder.dkdv_adds_dq == (hd in (64, 128) and queries >= 2048)
-                        # (and at head dim 128 with three stages of queries)
-                        assert dataclasses.replace(anyorder, dkdv_adds_dq=False,
-                                                   dkdv_ws_stages=tiles.dkdv_ws_stages) == tiles
-                        assert anyorder.dkdv_ws_stages == (3 if anyorder.dkdv_adds_dq and hd == 128
-                                                           else tiles.dkdv_ws_stages)
+                        # (the same tiles otherwise)
+                        assert dataclasses.replace(anyorder, dkdv_adds_dq=False) == tiles
                         assert anyorder.dkdv_smem_bytes(2) <= 232448
                         if not packed:   # (packed sequences always take the dq pass)
                             assert _tiles.sm90_bwd_names(dt, anyorder, packed)[0] in names
@@ -339,6 +336,80 @@ def test_window_sides_reach_every_key_and_fit_an_int():
         assert (nq - 1) + off + right + 1 < 2**31
         assert _params.window_sides(5, 0, nq, nk) == (min(5, nk), 0)
         assert _params.window_sides(10**12, 10**12, nq, nk) == (nk, nq)
+
+
+def _attn_record(nq, nk, left, right, backward=False):
+    """The AttnParams (or BwdParams) record of a forward of Nq rows by Nk keys, as built for the kernels."""
+    a = np.zeros(1, np.float16)
+    x = _checks.AttnInputs(a, a, a, "float16", (1,), nq, nk, 64, 64, 64, left, right, 0.125, (64, 64, 64), (1,),
+                           ((0,), (0,), (0,)))
+    return (_params.bwd_params(x, 64) if backward else _params.attn_params(x, 64))[0]
+
+
+def _kernel_sides(record):
+    """The sides as kernels/attention/mask.cuh's Band takes them: int(p.window_left), cut to 32 bits."""
+    return tuple(int(np.array([record[f]], np.int64).astype(np.int32)[0]) for f in ("window_left", "window_right"))
+
+
+def _band_sums(nq, nk, left, right):
+    """Every sum of mask.cuh's Band (in C's left-to-right order) at its extreme rows and keys."""
+    off = nk - nq
+    sums = []
+    for row in (0, nq - 1):   # allows, apply_row_bounds, cuts, key_range (row_end - 1 = row)
+        sums += [(row, off, right, 1), (row, off, -left), (row, 1, off, -left)]
+    for key in (0, nk - 1):   # row_range (key_end - 1 = key)
+        sums += [(key, -off, -right), (key, -off, left, 1)]
+    return sums
+
+
+def _wraps(terms):
+    """Whether a left-to-right sum of ints leaves int32 on the way."""
+    total = 0
+    for t in terms:
+        total += t
+        if not -2**31 <= total < 2**31:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("nq, nk", [(2**30, 2**30 - 2), (2**31 - 2**20, 2**20 - 1), (1, 2**31 - 2), (2**31 - 2, 1)])
+def test_window_sides_sent_to_the_kernels_fit_an_int_near_2_31_rows(nq, nk):
+    """Issue 49: unbounded sides once went to the kernels as Nq + Nk, and the Band's
+    row + off + right + 1 wrapped past int32 near 2**30 rows. The records built for the
+    kernels now hold sides below 2**31 (int(p.window_left) keeps them) with which no sum
+    of the Band leaves int32 for Nq + Nk up to 2**31 - 1 (beyond, no side helps: row 0 needs
+    right >= Nq - 1, and row Nq - 1 then sums to Nk + Nq - 1), and that still reach every key."""
+    huge = (None, 2**31 - 1, nq + nk, 10**12)
+    for left, right in [(a, b) for a in huge for b in huge] + [(None, 0), (5, 0), (0, 3)]:
+        for backward in (False, True):
+            record = _attn_record(nq, nk, left, right, backward)
+            k_left, k_right = _kernel_sides(record)
+            assert (k_left, k_right) == (int(record["window_left"]), int(record["window_right"])), "cut by int()"
+            assert not any(_wraps(s) for s in _band_sums(nq, nk, k_left, k_right)), (left, right)
+            off = nk - nq   # a side narrower than the keys as given, else one that reaches every key
+            assert k_left == left if left is not None and left < nk else (nq - 1) + off - k_left <= 0
+            assert k_right == right if right is not None and right < nq else 0 + off + k_right >= nk - 1
+
+
+def _band_allows(nq, nk, left, right):
+    """Band::allows of mask.cuh over every (row, key) of one sequence, in wrapping int32."""
+    i32 = np.int32
+    row, col = np.arange(nq, dtype=i32)[:, None], np.arange(nk, dtype=i32)[None, :]
+    off, left, right = (np.full((1, 1), v, i32) for v in (nk - nq, left, right))
+    return (col < nk) & (col <= row + off + right) & (col >= row + off - left)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 24), st.integers(0, 24)), min_size=1, max_size=3),
+       *[st.one_of(st.none(), st.integers(0, 30), st.sampled_from((2**31 - 1, 2**31, 2**32 + 3, 10**12)))] * 2)
+def test_window_sides_sent_to_the_kernels_keep_the_reference_mask(lengths, left, right):
+    """Small sequences (packed: the record made for the totals, each sequence's band of its own
+    lengths) with sides up to 10**12: the kernels' Band, from the record, in int32 as they do
+    it, allows exactly what cuflash.reference's mask does."""
+    total_q, total_k = sum(n for n, _ in lengths), sum(n for _, n in lengths)
+    k_left, k_right = _kernel_sides(_attn_record(total_q, total_k, left, right))
+    for nq, nk in lengths:
+        np.testing.assert_array_equal(_band_allows(nq, nk, k_left, k_right), _mask.allowed(nq, nk, left, right))
 
 
 def test_per_stream_memory_keys_tell_streams_and_threads_apart():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import GPU_MISSING, random_array
 
-from cuflash import _launch, _tensor_map
+from cuflash import _launch, _tensor_map, _tiles
 from cuflash._tensor_map import TileMap
 
 
@@ -330,39 +330,30 @@ def forced_ws_tiles(monkeypatch, tiles, loader):
         _plans.clear()
 
 
-# (d, block_n, stages, q_buffers, pingpong, computing warpgroups, loader)
-WS_VARIANTS = [(d, block_n, 2, q_buffers, pingpong, 2, loader)
-               for d, block_n, q_buffers in ((64, 128, 2), (128, 128, 2), (256, 64, 1), (200, 64, 1))
-               for pingpong in (False, True) for loader in ("tma", "cp.async")]
-WS_VARIANTS += [
-    (128, 176, 2, 1, False, 2, "tma"), (128, 176, 2, 1, False, 2, "cp.async"),   # 176-key blocks, one Q buffer
-    (256, 80, 2, 1, False, 2, "tma"), (256, 80, 2, 1, False, 2, "cp.async"),   # 80-key blocks (the default at 256)
-    (200, 80, 2, 1, False, 2, "tma"),
-    (64, 128, 2, 2, False, 3, "tma"),   # three computing warpgroups (through maps: by cp.async they spill)
-    (64, 128, 3, 2, False, 3, "tma"),   # and a ring of three K/V stages (their default without a mask)
-]
+# (head dim, tiles, loader): the tuner's loading-warpgroup candidates by each loader they take,
+# and the head-dim-256 ones at head dim 200 too (zero-filled columns)
+WS_VARIANTS = [(d, tiles, "tma" if tma else "cp.async")
+               for d in (64, 128, 256, 200)
+               for tiles in _tiles.SM90_WS_FWD_CANDIDATES[_tiles.head_dim_bucket(d, d)]
+               for tma in _tiles.ws_fwd_loaders(tiles)]
 
 
-@pytest.mark.parametrize("d, block_n, stages, q_buffers, pingpong, consumers, loader", WS_VARIANTS)
+@pytest.mark.parametrize("d, tiles, loader", WS_VARIANTS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, block_n, stages, q_buffers, pingpong,
-                                                            consumers, loader, causal):
-    """The shapes bench/tune_tiles.py may time (turns between the computing warpgroups, one Q
-    buffer and 64- or 80-key blocks at head dim 256, 176-key blocks at 128, three computing
-    warpgroups and two or three K/V stages at 64), by either loader where it fits, on a
-    problem of more tiles than blocks."""
+def test_the_loading_warpgroup_variants_match_the_reference(monkeypatch, d, tiles, loader, causal):
+    """The shapes bench/tune_tiles.py may time (one Q buffer and 64- or 80-key blocks at head
+    dim 256, 176-key blocks at 128, three computing warpgroups and two or three K/V stages at
+    64), by either loader where it fits, on a problem of more tiles than blocks."""
     sm90_or_skip()
     import cupy
     from conftest import assert_close_to_reference, assert_lse_close, poisoned_allocations
 
     import cuflash
-    from cuflash import _plans, _tiles, naive, reference
+    from cuflash import _plans, naive, reference
 
-    tiles = _tiles.Sm90WsFwdTiles(_tiles.head_dim_bucket(d, d), block_n, stages, pingpong=pingpong,
-                                  q_buffers=q_buffers, consumers=consumers)
     with forced_ws_tiles(monkeypatch, tiles, loader):
-        rng = np.random.default_rng(d + 7 * pingpong + 3 * stages + causal)
-        nq = 700 if consumers == 2 else 1000   # 192 tiles either way: blocks run two in turn
+        rng = np.random.default_rng(d + 7 * tiles.block_n + 3 * tiles.stages + causal)
+        nq = 700 if tiles.consumers == 2 else 1000   # 192 tiles either way: blocks run two in turn
         q, k, v = (random_array(rng, (4, 8, n, d), "bfloat16") for n in (nq, 650, 650))
         q = q * 4
         with poisoned_allocations():

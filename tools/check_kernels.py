@@ -11,7 +11,9 @@ Usage (from any directory, with cuflash and its ``cuda12`` extra installed)::
 No GPU is needed: NVRTC (from the ``nvidia-cuda-nvrtc-cu12`` wheel, reached through
 CuPy's ``cupy_backends.cuda.libs.nvrtc``) compiles straight to a cubin. The source is
 ``cuflash._compile.kernel_source()``, the options are ``cuflash._compile.nvrtc_options(arch)``
-plus ``-Xptxas=-v``, and the kernels are ``cuflash._tiles.all_specializations(arch)``.
+plus ``-Xptxas=-v``, and the kernels are ``cuflash._tiles.all_specializations(arch)`` (what the
+library launches) and ``cuflash._tiles.candidate_specializations(arch)`` (what the tuner and the
+tests launch besides).
 Each (arch, name expression) pair is a separate NVRTC program, compiled in a process pool.
 
 A kernel fails when
@@ -312,7 +314,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     _compile, _tiles = _load_project()
 
-    names_by_arch = {arch: list(dict.fromkeys(_tiles.all_specializations(arch)))
+    names_by_arch = {arch: list(dict.fromkeys(_tiles.all_specializations(arch) + _tiles.candidate_specializations(arch)))
                      for arch in args.arch}
     if not all(names_by_arch.values()):
         print("check_kernels: FAIL: cuflash._tiles.all_specializations() is empty",

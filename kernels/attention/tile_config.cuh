@@ -68,7 +68,7 @@ struct BwdConfig {
 // Hopper forward: WARPGROUPS warpgroups of 64 query rows each; K and V blocks of
 // BLOCK_N keys. Tiles are 128-byte swizzled panels (wgmma.cuh), so the head dim
 // is a multiple of 64; the block reserves 1024 bytes to align them.
-template <class T, int HEAD_DIM_, int BLOCK_N_, int WARPGROUPS_, int STAGES_>
+template <class T, int HEAD_DIM_, int BLOCK_N_, int WARPGROUPS_>
 struct Sm90FwdConfig {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -76,9 +76,8 @@ struct Sm90FwdConfig {
     static constexpr int WARPGROUPS = WARPGROUPS_;
     static constexpr int BLOCK_M = 64 * WARPGROUPS;
     static constexpr int THREADS = 128 * WARPGROUPS;
-    static constexpr int STAGES = STAGES_;   // K and V blocks in flight
-    // A third stage measured no faster (docs/design.md, "Hopper forward") and is not verified.
-    static_assert(STAGES == 2, "the forward runs two K/V stages");
+    // K and V blocks in flight (a third stage measured no faster; docs/design.md, "Hopper forward")
+    static constexpr int STAGES = 2;
 
     using QTile = PanelTile<Storage, BLOCK_M, HEAD_DIM>;
     using KTile = PanelTile<Storage, BLOCK_N, HEAD_DIM>;
@@ -141,14 +140,14 @@ struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 2
 
 // Hopper backward passes with a loading warpgroup (attn_bwd_sm90_ws.cuh): warpgroup 0
 // copies, warpgroups 1 and 2 own a block of RESIDENT rows (keys for dk/dv, queries for
-// dq; 64 each of 128, or both the same 64 in the wide dk/dv pass); the other side
-// streams in steps of STEP rows through a ring of STAGES, each stage guarded by a full
+// dq; 64 each of 128); the other side streams in steps of STEP rows through a ring of
+// STAGES, each stage guarded by a full
 // and an empty mbarrier. ROW_STATS: each stage also holds its query rows' lse and
 // delta (the dk/dv passes). The D 128 dk/dv pass needs 240 registers per computing
 // thread (it spills at 216). ADDS_DQ: a dk/dv pass that adds dq up as well, with four
 // 64 x 64 tiles of ds^T (one per computing warpgroup and step parity) and a float32 chunk
-// of 16 dq rows per warp position, which the copy engine adds into global memory (at head
-// dim 128 with three stages: 231 KB in all).
+// of 16 dq rows per computing warp, which the copy engine adds into global memory (at head
+// dim 128 with two stages: 226 KB in all).
 template <class T, int HEAD_DIM_, int RESIDENT_, int STEP_, int STAGES_, bool ROW_STATS, bool ADDS_DQ = false>
 struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
     using Storage = typename T::storage;
@@ -162,7 +161,7 @@ struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
     using DsTile = PanelTile<Storage, 64, 64>;
     static constexpr int DS_BYTES = ADDS_DQ ? 4 * DsTile::BYTES : 0;
     static constexpr int DQ_CHUNK_BYTES = 16 * HEAD_DIM * 4;
-    static constexpr int DQ_CHUNKS = ADDS_DQ ? 4 : 0;
+    static constexpr int DQ_CHUNKS = ADDS_DQ ? 8 : 0;
     // barriers: the resident tiles full; per stage, step full and empty
     static constexpr int BARRIERS = 1 + 2 * STAGES;
     static constexpr int ROW_STATS_BYTES = ROW_STATS ? 2 * STAGES * STEP * 4 : 0;
@@ -172,7 +171,7 @@ struct Sm90WsBwdConfig : LoadingWarpgroupBlock<24> {
 };
 
 // Hopper backward: each warpgroup owns 64 resident rows; the other side streams
-// in steps of STEP rows. The gradient columns per block (DCOL) change no buffer.
+// in steps of STEP rows.
 template <class T, int HEAD_DIM_, int STEP_, int WARPGROUPS_, int STAGES_>
 struct Sm90BwdConfig {
     using Storage = typename T::storage;

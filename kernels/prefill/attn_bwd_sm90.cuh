@@ -129,21 +129,20 @@ struct QueryRowStats {
     }
 };
 
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
+template <class T, int HEAD_DIM, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dkdv_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
     using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
-    constexpr int S_TILES = STEP / 8, D_TILES = DCOL / 8, STEP_BYTES = STile::BYTES;
+    constexpr int S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8, STEP_BYTES = STile::BYTES;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
     Work w;
     if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
     const int n0 = w.block * Cfg::RESIDENT;
-    const int col0 = blockIdx.y * DCOL;
     const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;
@@ -183,7 +182,6 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     fill_zero(acc_dk);
     fill_zero(acc_dv);
     const float scale_log2 = p.scale_log2;
-    const u32 panel0 = u32(col0 / 64);   // first gradient column's panel in the step tiles
 
     if (steps.count) {
         const index_t key0 = w.k0 + n0;
@@ -206,8 +204,8 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     auto issue_gradients = [&](u32 q_tile, u32 do_tile) {
         pin_registers(acc_dv);
         pin_registers(acc_dk);
-        wgmma_regs_cols<T, STile, DCOL>(acc_dv[0], pa, do_tile + panel0 * STile::PANEL_BYTES);
-        wgmma_regs_cols<T, STile, DCOL>(acc_dk[0], dsa, q_tile + panel0 * STile::PANEL_BYTES);
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dv[0], pa, do_tile);
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dk[0], dsa, q_tile);
     };
     int mb = steps.mb_begin;   // the query block of step j
     for (int j = 0; j < steps.count; ++j) {
@@ -245,7 +243,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
             pin_registers(acc_dv);
             pin_registers(pa);
             wgmma_fence();
-            wgmma_regs_cols<T, STile, DCOL>(acc_dv[0], pa, do_st + panel0 * STile::PANEL_BYTES);
+            wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dv[0], pa, do_st);
             wgmma_commit();
         }
         wgmma_wait<1>();
@@ -266,7 +264,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
             pin_registers(acc_dk);
             pin_registers(dsa);
             wgmma_fence();
-            wgmma_regs_cols<T, STile, DCOL>(acc_dk[0], dsa, q_st + panel0 * STile::PANEL_BYTES);
+            wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dk[0], dsa, q_st);
             wgmma_commit();
             wgmma_wait<0>();
             pin_registers(acc_dv);
@@ -284,8 +282,8 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(acc_dk);
     }
 
-    store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, col0);
-    store_key_gradient<T>(p, w, n0, true, acc_dv, warp_row0, col0);
+    store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, 0);
+    store_key_gradient<T>(p, w, n0, true, acc_dv, warp_row0, 0);
 }
 
 // dk and dv for 64 keys at head dims too wide for one warpgroup to hold both
@@ -455,21 +453,20 @@ __device__ __forceinline__ void row_deltas(const BwdParams& p, index_t flat_row0
     }
 }
 
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
+template <class T, int HEAD_DIM, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dq_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
     using Storage = typename Cfg::Storage;
     using RTile = typename Cfg::ResidentTile;
     using STile = typename Cfg::StepTile;
-    constexpr int S_TILES = STEP / 8, D_TILES = DCOL / 8, STEP_BYTES = STile::BYTES;
+    constexpr int S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8, STEP_BYTES = STile::BYTES;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();
     Work w;
     if (!p.template find_work<PACKED>(u32(p.num_m_blocks), true, w)) return;
     const int m0 = w.block * Cfg::RESIDENT;
-    const int col0 = blockIdx.y * DCOL;
     const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;
@@ -503,7 +500,6 @@ attn_bwd_dq_sm90(const BwdParams p) {
     float acc_dq[1][D_TILES][4];
     fill_zero(acc_dq);
     const float scale_log2 = p.scale_log2;
-    const u32 panel0 = u32(col0 / 64);
 
     if (nb_begin < nb_end) {
         const Storage* g_q = static_cast<const Storage*>(p.q) + q_off + index_t(w.q0 + m0) * p.q_row_stride;
@@ -529,7 +525,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
     u32 k_prev = 0;            // the k tile of the step whose ds is in dsa
     auto issue_dq = [&](u32 k_tile) {
         pin_registers(acc_dq);
-        wgmma_regs_cols<T, STile, DCOL>(acc_dq[0], dsa, k_tile + panel0 * STile::PANEL_BYTES);
+        wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dq[0], dsa, k_tile);
     };
     for (int nb = nb_begin; nb < nb_end; ++nb) {
         const int stage = int(u32(nb - nb_begin) % STAGES);
@@ -586,7 +582,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
 
     const float scale = p.scale_log2 / LOG2E;
     Storage* g_dq = static_cast<Storage*>(p.dq) + row0 * p.d;
-    store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, col0, d);
+    store_rows<T>(g_dq, acc_dq, scale, warp_row0, nq - m0, 0, d);
 }
 
 }  // namespace cuflash

@@ -40,7 +40,7 @@ struct StepRing {
 template <class Cfg>
 struct DkdvSmem {
     u32 k, v, q, dout;
-    u32 ds, dq_chunks;       // (Cfg::ADDS_DQ) ds^T tiles; per warp of a computing warpgroup, 16 rows of dq
+    u32 ds, dq_chunks;       // (Cfg::ADDS_DQ) ds^T tiles; per computing warp, 16 rows of dq
     u32 lse, delta;
     StepRing<Cfg::STAGES, Cfg::PRODUCER_THREADS, Cfg::CONSUMER_THREADS> ring;
     const float* lse_rows;   // lse, then delta, as the computing threads read them
@@ -127,12 +127,13 @@ __device__ __forceinline__ bool run_dkdv_loads(const BwdParams& p, const Work& w
 // A warp's 16 rows of a step's dq, added into the float32 sums at g by the copy engine:
 // staged in the accumulator's order (lane l's four floats of a column tile side by side
 // with the other lanes': no bank conflicts), so that the sums hold each 16-row chunk in
-// that order ([column tile][lane][4]; scale_dq_sums puts it back). The chunk is warp w's
-// of either computing warpgroup: the other's add from it, a step back, has been read
-// (wait_dq_chunk_read before that warpgroup's barrier), and so has this warp's own.
+// that order ([column tile][lane][4]; scale_dq_sums puts it back). The chunk is this
+// warp's own, so only its own previous add, two steps back, must have read it.
 template <int D_TILES>
 __device__ __forceinline__ void add_dq_chunk(float* g, u32 chunk, const float (&part)[1][D_TILES][4], bool rows_there) {
     const int lane = int(threadIdx.x) % 32;
+    if (lane == 0) bulk_wait_group<0, true>();   // the previous add has read the chunk
+    __syncwarp();
 #pragma unroll
     for (int dt = 0; dt < D_TILES; ++dt)
         st_shared_v4(chunk + u32((dt * 32 + lane) * 16), part[0][dt][0], part[0][dt][1], part[0][dt][2],
@@ -145,12 +146,6 @@ __device__ __forceinline__ void add_dq_chunk(float* g, u32 chunk, const float (&
     }
 }
 
-// The warp's last add_dq_chunk has read its chunk (so the other warpgroup may write it).
-__device__ __forceinline__ void wait_dq_chunk_read() {
-    if (threadIdx.x % 32 == 0) bulk_wait_group<0, true>();
-    __syncwarp();
-}
-
 // ADDS_DQ (deterministic=False, head dims 64 and 128): the pass also forms dq, ds k over
 // the block's 128 keys, one warpgroup a step in turn (step j: computing warpgroup j % 2),
 // while the other runs on into its next step's scores. Each warpgroup stores its ds^T
@@ -158,11 +153,12 @@ __device__ __forceinline__ void wait_dq_chunk_read() {
 // it is waits at named barrier 1 + j % 2 for both and reads them with K. Its accumulators
 // (64 x HEAD_DIM) live only from that product, issued once dk's is done, to the add, in
 // registers the scores have left. Each of its warps adds 16 rows into float32 p.dq (dq's
-// shape, unscaled) by add_dq_chunk, through a chunk per warp position that both warpgroups
-// use in turn: one add per step and block, blocks in whatever order. No dq pass runs: a
-// delta launch comes first, and scale_dq_sums after. (The other warpgroup writes its tile
-// of parity j % 2 again at step j + 2, having waited at step j + 1's barrier, where the
-// reader of step j arrives after its product.)
+// shape, unscaled) by add_dq_chunk, through a chunk of its own (chunks shared by the two
+// warpgroups' warps in turn, ordered by the barrier, drew racecheck reports): one add per
+// step and block, blocks in whatever order. No dq pass runs: a delta launch comes first,
+// and scale_dq_sums after. (The other warpgroup writes its tile of parity j % 2 again at
+// step j + 2, having waited at step j + 1's barrier, where the reader of step j arrives
+// after its product.)
 template <class T, int HEAD_DIM, int STAGES, bool PACKED, bool ADDS_DQ>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_sm90_ws(const BwdParams p) {
@@ -237,10 +233,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         if (ADDS_DQ) {
             store_transposed(ds_tiles + u32(consumer) * Cfg::DsTile::BYTES, dsa, warp_row0 - group_row0);
             fence_async_shared();   // before wgmma reads it
-            if (!forms_dq) {
-                wait_dq_chunk_read();
-                named_barrier_arrive(ds_barrier, Cfg::CONSUMER_THREADS);
-            }
+            if (!forms_dq) named_barrier_arrive(ds_barrier, Cfg::CONSUMER_THREADS);
         }
         pin_registers(acc_dk);
         pin_registers(dsa);
@@ -265,7 +258,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
                 // whole chunks of rows only (the host sends rows in multiples of 16, width HEAD_DIM)
                 const bool rows_there = at.m0 + warp * 16 + 16 <= nq && p.d == HEAD_DIM;
                 add_dq_chunk(static_cast<float*>(p.dq) + (steps.row(at) + warp * 16) * HEAD_DIM,
-                             buf.dq_chunks + u32(warp) * Cfg::DQ_CHUNK_BYTES, dq, rows_there);
+                             buf.dq_chunks + u32(consumer * 4 + warp) * Cfg::DQ_CHUNK_BYTES, dq, rows_there);
             }
             steps.advance(at);
         }
@@ -274,99 +267,6 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
 
     store_key_gradient<T>(p, w, n0, false, acc_dk, warp_row0, 0);
     store_key_gradient<T>(p, w, n0, true, acc_dv, warp_row0, 0);
-}
-
-// attn_bwd_dkdv_wide_sm90 (head dim 256: both computing warpgroups own the same 64
-// keys, warpgroup 1 forms p^T and accumulates dv, warpgroup 2 forms dp^T and
-// accumulates dk) with its loads on warpgroup 0. p^T goes from the first to the second
-// through one buffer: named barrier 1 says it is written, 2 that it has been read.
-template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
-__global__ void __launch_bounds__(384, 1)
-attn_bwd_dkdv_wide_sm90_ws(const BwdParams p) {
-    using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 64, STEP, STAGES, true>;
-    using RTile = typename Cfg::ResidentTile;
-    using STile = typename Cfg::StepTile;
-    constexpr int S_TILES = STEP / 8, D_TILES = HEAD_DIM / 8;
-    constexpr int EXCHANGE_FLOATS = 64 * STEP;   // one step's p^T, in fragment order
-    constexpr u32 PAIR = Cfg::CONSUMER_THREADS;   // both computing warpgroups at a named barrier
-
-    extern __shared__ __align__(1024) unsigned char smem[];
-    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES + 4 * EXCHANGE_FLOATS)) __trap();   // launch/config mismatch
-    Work w;
-    if (!p.template find_work<PACKED>(u32(p.num_n_blocks), false, w)) return;
-    const int n0 = w.block * Cfg::RESIDENT;
-    const int nq = w.nq, nk = w.nk;
-    const DkdvSmem<Cfg> buf(smem);   // then the p^T exchange
-    buf.ring.init();   // resident_full: K and V landed
-
-    const Band band(p, w);
-    const int n_end = min(n0 + Cfg::RESIDENT, nk);
-    const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
-
-    if (run_dkdv_loads<Cfg>(p, w, steps, buf, n0)) return;   // the loading warpgroup is done
-
-    registers_claim<Cfg::CONSUMER_REGS>();
-    const int consumer = int(threadIdx.x) / 128 - 1;   // 0: p^T and dv; 1: dp^T and dk
-    const int rank = threadIdx.x % 128, warp_row0 = (rank / 32) * 16, t = threadIdx.x % 4;
-    float* exchange = reinterpret_cast<float*>(smem + (buf.end() - smem_address(smem)));
-    const float scale_log2 = p.scale_log2;
-
-    float acc[1][D_TILES][4];   // dv in the first computing warpgroup, dk in the second
-    fill_zero(acc);
-    if (steps.count) {
-        mbarrier_wait(buf.ring.resident_full(), 0);
-    }
-    int mb = steps.mb_begin;   // the query block of step j
-    for (int j = 0; j < steps.count; ++j) {
-        const auto stage = buf.wait_step(j);
-        const u32 q_st = stage.q, do_st = stage.dout;
-        const int m0 = mb * STEP;
-        mb = steps.next_block(mb);
-
-        // s^T = k q^T in the first, dp^T = v dout^T in the second
-        float s[1][S_TILES][4];
-        wgmma_fence();
-        wgmma_rows_rows<T, RTile, STile, HEAD_DIM, STEP>(s[0], consumer == 0 ? buf.k : buf.v,
-                                                         consumer == 0 ? q_st : do_st);
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(s);
-
-        if (consumer == 0) {
-            // p^T, 0 where masked, into the exchange once the second has read the last step's
-            transposed_probabilities<T, true>(s, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2,
-                                              stage.lse);
-            if (j > 0) named_barrier_sync<2, PAIR>();
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) exchange[(nt * 4 + e) * 128 + rank] = s[0][nt][e];
-            named_barrier_arrive<1, PAIR>();
-        } else {
-            // ds^T = p^T (dp^T - delta of each query column)
-            const float* delta = stage.delta;
-            named_barrier_sync<1, PAIR>();
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[0][nt][e] = exchange[(nt * 4 + e) * 128 + rank] * (s[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
-            if (j + 1 < steps.count) named_barrier_arrive<2, PAIR>();
-        }
-
-        // dv += p^T dout in the first, dk += ds^T q in the second (scaled at the end)
-        u32 a[S_TILES / 2][4];
-        to_a_fragments<T>(a, s);
-        pin_registers(acc);
-        wgmma_fence();
-        wgmma_regs_cols<T, STile, HEAD_DIM>(acc[0], a, consumer == 0 ? do_st : q_st);
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(acc);
-        buf.release(j);   // this warpgroup's last read of the stage is done
-    }
-
-    store_key_gradient<T>(p, w, n0, consumer == 0, acc, warp_row0, 0);   // dv in the first, dk in the second
 }
 
 // dq for 128 queries of one sequence of one batch entry, over the key blocks of STEP

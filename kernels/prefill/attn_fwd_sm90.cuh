@@ -53,10 +53,11 @@ struct FwdTile {
     }
 };
 
-template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
+template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool PACKED>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_fwd_sm90(const AttnParams p) {
-    using Cfg = Sm90FwdConfig<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES>;
+    using Cfg = Sm90FwdConfig<T, HEAD_DIM, BLOCK_N, WARPGROUPS>;
+    constexpr int STAGES = Cfg::STAGES;
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;

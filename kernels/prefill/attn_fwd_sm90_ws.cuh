@@ -92,12 +92,10 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32
 
 enum class Source { Q, K, V };   // what a loader's copy brings
 
-template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, int CONSUMERS, bool PACKED, bool TMA,
-          bool PINGPONG>
+template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, int CONSUMERS, bool PACKED, bool TMA>
 __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
-    static_assert(!PINGPONG || CONSUMERS == 2, "turns are taken by two computing warpgroups");
     const AttnParams& p = params.attn;
     using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS, TMA, CONSUMERS>;
     using QTile = typename Cfg::QTile;
@@ -230,21 +228,6 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         wgmma_commit();
     };
 
-    // PINGPONG: the two warpgroups take turns issuing a step's products, each waiting on
-    // its own named barrier (1 + consumer) for the other's arrival, so that one's softmax
-    // runs under the other's products. The turn passes as soon as this one's products are
-    // issued, before their wait (NVRTC 13 keeps them asynchronous so). Both warpgroups run
-    // the same tiles and steps, so the turns pair up; the second one's first arrival lets
-    // the first one start.
-    constexpr u32 TURN_THREADS = 2 * 128;
-    auto my_turn = [&] {
-        if constexpr (PINGPONG) named_barrier_sync(u32(1 + consumer), TURN_THREADS);
-    };
-    auto their_turn = [&] {
-        if constexpr (PINGPONG) named_barrier_arrive(u32(2 - consumer), TURN_THREADS);
-    };
-    if (consumer == 1) their_turn();
-
     for (u32 n = 0;; ++n) {
         const u32 index = queue.take(n);
         Work w;
@@ -265,16 +248,13 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 if (i > 0) mbarrier_wait(bar.v_full(prev.stage), prev.parity);
                 copies_visible();
                 float s[1][N_TILES][4];
-                my_turn();
                 wgmma_fence();
                 wgmma_rows_rows<T, QTile, KTile, HEAD_DIM, BLOCK_N>(s[0], s_q_rows, s_k + slot.stage * KTile::BYTES);
                 wgmma_commit();
                 if (i > 0) {
                     issue_pv(prev);
-                    their_turn();
                     wgmma_wait<1>();
                 } else {
-                    their_turn();
                     wgmma_wait<0>();
                 }
                 pin_registers(s);

@@ -1,10 +1,12 @@
-// reduce.cuh: the sum of a grouped dk/dv pass's partial results.
+// reduce.cuh: the backward's two small reductions after its passes.
 //
-// When the query heads that share a K/V head are split in parts (a grouped dk/dv
+// sum_parts: when the query heads that share a K/V head are split in parts (a grouped dk/dv
 // pass with too few blocks to fill the GPU otherwise), the pass writes one partial
 // dk (and dv) per part: (before, parts, rest) elements. This adds the parts in
 // float32 into (before, rest), two neighbouring elements per thread (rest is even:
 // a multiple of the padded head dim), in one launch.
+// scale_dq_sums: where the Hopper dk/dv pass adds dq up (deterministic=False), it leaves
+// float32 sums in its chunks' order; this puts them back in row order, scaled and rounded.
 #pragma once
 
 namespace cuflash {
