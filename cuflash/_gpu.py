@@ -12,10 +12,11 @@ import ctypes
 import os
 import sys
 
-# A command that works on any machine with pip: cuflash's own extras name the same packages.
+# A command that works on any machine with pip: the packages of cuflash's extras cuda12 and
+# cuda13 (pyproject.toml; a test holds the two together).
 CUPY_INSTALL = (
-    "pip install cupy-cuda12x 'cuda-toolkit[cudart,nvrtc]>=12.9,<13' ml_dtypes "
-    "(with a CUDA 13 driver: cupy-cuda13x 'cuda-toolkit[cudart,nvrtc]>=13,<14' ml_dtypes)"
+    "pip install 'cupy-cuda12x>=14' 'cuda-toolkit[cudart,nvrtc,cublas,curand]>=12.9,<13' 'ml_dtypes>=0.5' "
+    "(with a CUDA 13 driver: 'cupy-cuda13x>=14' 'cuda-toolkit[cudart,nvrtc,cublas,curand]>=13,<14' 'ml_dtypes>=0.5')"
 )
 
 DRIVER_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"

@@ -110,7 +110,7 @@ def test_non_cupy_argument_is_named(name):
 def test_without_cupy_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now raises ImportError
     q = np.ones((4, 8), dtype=np.float16)
-    with pytest.raises(ImportError, match=r"need an NVIDIA GPU: CuPy is not installed: pip install cupy-cuda12x "):
+    with pytest.raises(ImportError, match=r"need an NVIDIA GPU: CuPy is not installed: pip install 'cupy-cuda12x>=14' "):
         cuflash.attention(q, q, q)
     assert cuflash.reference.attention(q, q, q).shape == (4, 8)
 

@@ -20,6 +20,7 @@ from conftest import (
     GPU_MISSING,
     assert_close_to_reference,
     assert_lse_close,
+    poisoned_allocations,
     random_array,
     requires_gpu,
     spin,
@@ -309,6 +310,71 @@ def test_forward_without_lse_in_a_cuda_graph_and_on_two_streams():
     for i in range(2):
         for out in outs[i]:
             assert np.array_equal(cupy.asnumpy(out), alone[i])
+
+
+def test_no_kernel_reads_the_lse_of_calls_without_return_lse(monkeypatch):
+    """Issue 49: the lse of calls without return_lse goes to one buffer per device, shared by
+    every stream (_launch.lse_sink), safe only while no kernel reads it back (the forward only
+    writes it; split decoding merges its splits' lse from its stream's own workspace or on
+    chip, and writes only the merged lse there). Here NaN goes over the whole buffer after
+    every kernel launched (as a call on another stream may write it at any time), on two
+    streams at once and in a CUDA graph (which holds those writes) replayed on a third:
+    forwards, and decodings of 17 splits (merged through global memory, on Hopper too) and
+    of 4 (on Hopper, merged in a cluster where the split model picks one); every output,
+    poisoned before, against the float64 reference."""
+    from cuflash import _launch
+
+    rng = np.random.default_rng(23)
+    q, k, v = (random_array(rng, (2, 4, 300, 64), "float16") for _ in range(3))
+    cache_q = random_array(rng, (2, 2, 4, 1, 128), "bfloat16", 2.0)
+    cache_k, cache_v = (random_array(rng, (2, 2, 1, 17 * 64, 128), "bfloat16") for _ in range(2))
+    decoding = (cache_q, cache_k, cache_v)
+
+    def calls():
+        return (cuflash.attention(q, k, v, causal=True), cuflash.attention_kvcache(*decoding, num_splits=17),
+                cuflash.attention_kvcache(*decoding, num_splits=4))
+
+    refs = (reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=True),
+            reference.attention_kvcache(*(cupy.asnumpy(x) for x in decoding)))
+    naives = (naive.attention(q, k, v, causal=True), naive.attention(*decoding))
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]   # eager, eager, graph
+    for stream in streams:
+        with stream:
+            calls()   # (compiles; sizes the buffer; each stream's workspace)
+    cupy.cuda.Device().synchronize()
+    sink, (nbytes,) = _launch._sinks[cupy.cuda.Device().id]
+    launched = []
+    run = _launch.Launch.run
+
+    def run_then_scribble(self, *args, **kwargs):
+        run(self, *args, **kwargs)
+        cupy.cuda.runtime.memsetAsync(sink, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
+        launched.append(self)
+
+    monkeypatch.setattr(_launch.Launch, "run", run_then_scribble)
+    with streams[2]:
+        streams[2].begin_capture()
+        graphed = calls()
+        graph = streams[2].end_capture()
+    assert len(launched) >= 3
+    outs = []
+    with poisoned_allocations():
+        for _ in range(3):
+            for i, stream in enumerate(streams):   # (the graph's on the stream it was captured on)
+                with stream:
+                    if i < 2:
+                        outs.append(calls())
+                        continue
+                    for out in graphed:
+                        out.fill(np.nan)
+                    graph.launch()
+                    outs.append(tuple(out.copy() for out in graphed))
+    cupy.cuda.Device().synchronize()
+    assert _launch._sinks[cupy.cuda.Device().id] == (sink, (nbytes,))
+    for out, dec17, dec4 in outs:
+        for name, x, n, ref in (("attention", out, *naives[:1], refs[0]),
+                                ("splits 17", dec17, naives[1], refs[1]), ("splits 4", dec4, naives[1], refs[1])):
+            assert_close_to_reference(name, cupy.asnumpy(x), cupy.asnumpy(n), ref, x.dtype, c=2)
 
 
 def _counter_words(pointer):

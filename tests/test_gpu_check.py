@@ -45,7 +45,7 @@ def fake_cupy(count=None, status=None, driver=12020, runtime=12090):
 
 def test_no_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)   # import cupy raises ModuleNotFoundError
-    assert _gpu._find_problem().startswith("CuPy is not installed: pip install cupy-cuda12x ")
+    assert _gpu._find_problem().startswith("CuPy is not installed: pip install 'cupy-cuda12x>=14' ")
 
 
 def test_broken_cupy(monkeypatch):
@@ -58,7 +58,7 @@ def test_broken_cupy(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", [Finder()] + sys.meta_path)
     problem = _gpu._find_problem()
     assert problem.startswith("CuPy is installed but cannot be imported (libnvrtc.so.12")
-    assert "reinstall it: pip install cupy-cuda12x" in problem
+    assert "reinstall it: pip install 'cupy-cuda12x>=14'" in problem
 
 
 def test_no_driver(monkeypatch):
@@ -142,4 +142,19 @@ def test_require_gpu_and_the_gpu_functions_raise_one_error_without_cupy():
     assert all(e == errors[0] for e in errors), errors
     _, is_import_error, is_runtime_error, message = errors[0]
     assert is_import_error and is_runtime_error
-    assert message.startswith("cuflash's GPU functions need an NVIDIA GPU: CuPy is not installed: pip install cupy-cuda12x ")
+    assert message.startswith("cuflash's GPU functions need an NVIDIA GPU: CuPy is not installed: pip install 'cupy-cuda12x>=14' ")
+
+
+def test_the_install_hint_names_the_packages_of_the_cuda_extras():
+    """The hint a missing CuPy prints installs what `pip install "cuflash[cuda12]"` (or
+    cuda13) would: the same requirements as pyproject.toml's extras."""
+    import re
+
+    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    if not os.path.exists(pyproject):
+        pytest.skip("the tests run from an installed package, without the source tree's pyproject.toml")
+    text = open(pyproject, encoding="utf-8").read()
+    for extra in ("cuda12", "cuda13"):
+        (listed,) = re.findall(rf"^{extra} = \[(.*)\]$", text, re.M)
+        requirements = re.findall(r'"([^"]+)"', listed)
+        assert requirements and all(f"'{r}'" in _gpu.CUPY_INSTALL for r in requirements), (extra, requirements)

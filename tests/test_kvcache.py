@@ -266,6 +266,43 @@ def _split_problem(rng, batch, hkv, group, nk, d=128):
     return q, k, v
 
 
+@pytest.mark.parametrize("num_splits, nk", [(3, 1000), (17, 17 * 64), (24, 3072)])
+def test_split_decoding_replayed_from_a_cuda_graph(num_splits, nk):
+    """Issue 49: split decoding (device lengths, check=False) captured in a CUDA graph and
+    replayed twice (the counters one replay leaves must serve the next) into outputs poisoned
+    before each replay: out and lse against the float64 reference. The launch has num_splits
+    blocks per row group (on Hopper, 3 merge in a cluster, 17 through global memory, 24 in
+    clusters and then through global memory); one sequence fills the cache, the other
+    leaves its last splits without keys."""
+    from cuflash import _plans
+
+    rng = np.random.default_rng(num_splits)
+    q, k, v = _split_problem(rng, 2, 2, 4, nk)
+    lengths = np.array([nk, nk // 2 + 1], dtype=np.int32)
+    seqlens = cupy.asarray(lengths)
+    plan, _ = _plans.kvcache(q, k, v, None, None, seqlens, None, False, None, None, num_splits, False)
+    (run,) = plan.launches.runs
+    assert run.grid[1] == num_splits > 1
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=num_splits, check=False)   # (workspace)
+        stream.begin_capture()
+        out, lse = cuflash.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=num_splits, check=False,
+                                             return_lse=True)
+        graph = stream.end_capture()
+    ref_out, ref_lse = reference.attention_kvcache(*(cupy.asnumpy(x) for x in (q, k, v)), cache_seqlens=lengths,
+                                                   return_lse=True)
+    n = _naive(q, k, v, None, lengths, {})
+    for _ in range(2):
+        with stream:
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            graph.launch()
+        stream.synchronize()
+        assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n), ref_out, q.dtype, c=2)
+        assert_lse_close(cupy.asnumpy(lse), ref_lse)
+
+
 def test_split_counts_change_from_call_to_call():
     """Calls on one stream with split counts and grids that change from call to call: the
     counters each call leaves behind must be ready for the next. Each against the same

@@ -259,10 +259,18 @@ struct OnlineSoftmax {
         return __any_sync(0xffffffffu, moved);
     }
 
-    // out = acc / l; lse = ln(sum exp(scale * score)) = (m * scale_log2 + P_SHIFT + log2 l) * ln 2.
-    // A row that saw no key gets out = 0 and lse = -inf. APPROX: the hardware's reciprocal and
-    // log2 (1 ulp; 2^-22 absolute), a sixth of the instructions of the IEEE forms with their
-    // range checks, for 16-bit outputs: a row's sum is then at least 2^-P_SHIFT, a normal float.
+    // A row's lse, ln(sum exp(scale * score)) = (m * scale_log2 + P_SHIFT + log2 l) * ln 2, from
+    // its m and the log2 of its sum l (for the decoding kernel's warps too, from their best m and
+    // the sum they rescaled to it); -inf for a row that saw no key (none).
+    __device__ __forceinline__ static float lse_from(float m, float scale_log2, float log2_sum, bool none) {
+        const float lse2 = fmaf(base_of(m), scale_log2, P_SHIFT) + log2_sum;
+        return none ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
+    }
+
+    // out = acc / l; lse = lse_from(m, log2 l). A row that saw no key gets out = 0 and lse = -inf.
+    // APPROX: the hardware's reciprocal and log2 (1 ulp; 2^-22 absolute), a sixth of the
+    // instructions of the IEEE forms with their range checks, for 16-bit outputs: a row's sum
+    // is then at least 2^-P_SHIFT, a normal float.
     template <bool APPROX = false, int D_TILES>
     __device__ __forceinline__ void finish(float (&acc)[M_TILES][D_TILES][4], float (&lse)[M_TILES][2],
                                            float scale_log2) {
@@ -273,18 +281,17 @@ struct OnlineSoftmax {
                 const float sum = quad_sum(l[mt][h]);
                 // sum is 0 only for a row that saw no key; a NaN sum (NaN in the inputs) stays NaN
                 const bool none = sum == 0.f;
-                float inv, lse2;
+                float inv, log2_sum;
                 if constexpr (APPROX) {
-                    float rcp, log2_sum;
+                    float rcp;
                     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"(sum));
                     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_sum) : "f"(sum));
                     inv = none ? 0.f : rcp;
-                    lse2 = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT) + log2_sum;
                 } else {
                     inv = none ? 0.f : 1.f / sum;
-                    lse2 = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT) + log2f(sum);
+                    log2_sum = log2f(sum);
                 }
-                lse[mt][h] = none ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
+                lse[mt][h] = lse_from(m[mt][h], scale_log2, log2_sum, none);
 #pragma unroll
                 for (int dt = 0; dt < D_TILES; ++dt) {
                     acc[mt][dt][2 * h] *= inv;

@@ -346,8 +346,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
             total += weight[w] * l;
         }
         const float inv = total == 0.f ? 0.f : 1.f / total;
-        const float lse2 = fmaf(OnlineSoftmax<T, M_TILES>::base_of(best), scale_log2, float(T::P_SHIFT)) + log2f(total);
-        const float row_lse = total == 0.f ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
+        const float row_lse = OnlineSoftmax<T, M_TILES>::lse_from(best, scale_log2, log2f(total), total == 0.f);
         for (int c = threadIdx.x % 32; c < (clustered ? HEAD_DIM : dv); c += 32) {
             float o = 0.f;
 #pragma unroll

@@ -6,9 +6,10 @@
 // part, so the parts are spread over the block's warps (warp w takes parts w,
 // w + MergeTiles::WARPS, ...), each lane a set of output columns, and the warps' sums meet
 // in shared memory. The splits of a decoding call: merge_rows_by_warp, inside the decoding
-// kernel's last block of each row group, one warp per row; or, launched in clusters (Hopper),
-// merge_cluster_parts, shared by the cluster's blocks, from each other's shared memory (and
-// with several clusters per row group, the clusters' parts then through global memory).
+// kernel's last block of each row group, one warp per row, two rows at a time; or, launched
+// in clusters (Hopper), merge_cluster_parts, shared by the cluster's blocks, from each
+// other's shared memory (and with several clusters per row group, the clusters' parts then
+// through global memory).
 #pragma once
 
 namespace cuflash {
