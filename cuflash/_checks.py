@@ -51,6 +51,8 @@ def check_shapes(q_shape, k_shape, v_shape) -> tuple[int, ...]:
             ) from err
     check_head_dim("q", "head dim (last axis)", q_shape[-1])
     check_head_dim("v", "value head dim (last axis)", v_shape[-1])
+    if q_shape[-2] + k_shape[-2] >= 2**31:   # the masks' sums of row and key indices are int32
+        raise ValueError(f"Nq + Nk must be below 2**31, got {q_shape[-2]} + {k_shape[-2]}")
     return batch
 
 

@@ -536,3 +536,11 @@ def test_backward_zero_length_dims(no_launch, dtype, q_shape, k_shape, dv):
     for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype, name
         assert (cupy.asnumpy(g.astype(cupy.float32)) == 0).all(), f"{name} is not all zeros"
+
+
+def test_lengths_whose_sum_overflows_int32_are_refused():
+    """Nq + Nk >= 2**31 rows: the kernels' mask arithmetic is int32, so the shape check that the
+    GPU functions and the reference share refuses it, naming the lengths; 2**31 - 1 is taken."""
+    with pytest.raises(ValueError, match=r"Nq \+ Nk must be below 2\*\*31, got 1073741824 \+ 1073741824"):
+        _checks.check_shapes((2**30, 8), (2**30, 8), (2**30, 8))
+    assert _checks.check_shapes((2, 2**30, 8), (2**30 - 1, 8), (2**30 - 1, 8)) == (2,)
