@@ -103,14 +103,15 @@ def free():
         torch.cuda.empty_cache()
 
 
-def time_attention(impl, data, causal, direction, repeat, deterministic=True, **kwargs):
+def time_attention(impl, data, causal, direction, repeat, deterministic=True, backward_only=None, **kwargs):
     """`impl`'s (cuflash or naive) forward or backward; the backward's out and lse come from cuflash
-    (`deterministic` is the backward's, given only when False)."""
+    (`deterministic` is the backward's, given only when False; `backward_only`, a dict of keywords
+    the backward alone takes, such as bias_grad)."""
     if direction == "fwd":
         return median_ms(lambda q, k, v, do: impl.attention(q, k, v, causal=causal, **kwargs), data, repeat)
     saved = [(q, k, v, do) + cuflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
              for q, k, v, do in data]
-    options = dict(kwargs, **({} if deterministic else {"deterministic": False}))
+    options = dict(kwargs, **(backward_only or {}), **({} if deterministic else {"deterministic": False}))
     return median_ms(
         lambda q, k, v, do, out, lse: impl.attention_backward(do, q, k, v, out, lse, causal=causal, **options),
         saved, repeat,
@@ -121,15 +122,20 @@ def time_torch(backend, data, causal, direction, repeat, **kwargs):
     """torch SDPA's `backend` forward or backward (autograd), `kwargs` passed on to SDPA."""
     tdata = [tuple(torch.from_dlpack(x) for x in item) for item in data]
     with sdpa_kernel(backend):
-        if direction == "fwd":
-            return median_ms(lambda q, k, v, do: sdpa(q, k, v, is_causal=causal, **kwargs), tdata, repeat)
-        graphs = []
-        for q, k, v, do in tdata:
-            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            graphs.append((sdpa(q, k, v, is_causal=causal, **kwargs), q, k, v, do))
-        return median_ms(
-            lambda out, q, k, v, do: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), graphs, repeat
-        )
+        return time_torch_fn(lambda q, k, v: sdpa(q, k, v, is_causal=causal, **kwargs), tdata, direction, repeat)
+
+
+def time_torch_fn(fn, tdata, direction, repeat, leaves=()):
+    """`fn(q, k, v) -> out` on the torch tensors of `tdata` ((q, k, v, dout) sets), forward, or its
+    backward alone (autograd, the graph built beforehand): the gradients of q, k, v and `leaves`
+    (other tensors fn reads that require grad)."""
+    if direction == "fwd":
+        return median_ms(lambda q, k, v, do: fn(q, k, v), tdata, repeat)
+    graphs = []
+    for q, k, v, do in tdata:
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        graphs.append((fn(q, k, v), (q, k, v, *leaves), do))
+    return median_ms(lambda out, inputs, do: torch.autograd.grad(out, inputs, do, retain_graph=True), graphs, repeat)
 
 
 def any_order_differs(data, causal) -> bool:

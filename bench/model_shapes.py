@@ -9,8 +9,10 @@ Dense shapes (bfloat16, layout (B, H, N, D); cuflash reads q as (B, Hkv, G, N, D
 k, v (B, Hkv, 1, N, D), the same memory): each is timed for cuflash, for cuflash on the same
 problem with k and v expanded to every query head ("cuflash-expanded", the ungrouped
 baseline), and for the two SDPA backends. The backward's peak memory-pool growth is measured
-for cuflash grouped and expanded. FLOPs: forward 4*B*Hq*N*N*D (halved when causal), backward
-2.5x that.
+for cuflash grouped and expanded. FLOPs: forward 2*B*Hq*N*N*(D + Dv) (4*B*Hq*N*N*D when the
+value head dim Dv is D; halved when causal), backward 2.5x that. A shape whose Dv differs from
+D (DeepSeek-V3's 192 / 128) is skipped by the rivals that need them equal, SDPA's FLASH
+backend among them, with the reason in the row's "skipped".
 
 The packed batch: 64 sequences with lengths drawn log-uniform in [64, 8192] (seed 0), GQA 4:1
 (Hq = 32, Hkv = 8), D = 128, causal, held as (total, H, D) arrays read in place as
@@ -42,7 +44,7 @@ try:
 except ImportError:
     cupy = None
 
-# name: (B, Hq, Hkv, N, D, causal)
+# name: (B, Hq, Hkv, N, D, causal), or (B, Hq, Hkv, N, D, causal, Dv) where v's head dim differs
 SHAPES = {
     "llama3-8b (GQA 4:1)": (2, 32, 8, 4096, 128, True),
     "llama3-8b, Hkv = 32": (2, 32, 32, 4096, 128, True),
@@ -51,28 +53,38 @@ SHAPES = {
     "64 x N = 256, not causal": (64, 16, 16, 256, 128, False),
     "128 x N = 128, GQA 4:1": (128, 32, 8, 128, 64, True),
     "32 x N = 512, GQA 4:1": (32, 32, 8, 512, 128, True),
+    # training (MLA expanded to heads): q, k 128 + 64 rotary dims, v 128
+    "deepseek-v3 (D 192, Dv 128)": (1, 128, 128, 4096, 192, True, 128),
+}
+# rivals that need Dv == D: the reason their cell is skipped
+NEEDS_EQUAL_HEAD_DIMS = {
+    "torch-flash": "SDPA's FLASH backend (FlashAttention-2) needs the head dims of q, k and v equal",
 }
 QUICK = ("llama3-8b (GQA 4:1)", "128 x N = 128, GQA 4:1")
 PACKED = {"sequences": 64, "shortest": 64, "longest": 8192, "Hq": 32, "Hkv": 8, "D": 128, "seed": 0}
 DTYPE = "bfloat16"
 
 
-def flops(b, hq, nq, nk, d, causal, direction):
-    f = 4 * b * hq * nq * nk * d / (2 if causal and nq == nk else 1)
+def flops(b, hq, nq, nk, d, causal, direction, dv=None):
+    """The two products' FLOPs, 2*Nq*Nk*D for q k^T and 2*Nq*Nk*Dv for p v per head (causal: half
+    of them), the backward 2.5x the forward."""
+    f = 2 * b * hq * nq * nk * (d + (d if dv is None else dv)) / (2 if causal and nq == nk else 1)
     return f * (2.5 if direction == "bwd" else 1)
 
 
-def dense_inputs(b, hq, hkv, n, d, sets=2):
+def dense_inputs(b, hq, hkv, n, d, sets=2, dv=None):
+    """`sets` sets of q (B, Hq, N, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv), dout (B, Hq, N, Dv)."""
+    dv = d if dv is None else dv
     rng = cupy.random.default_rng(n * d + hq)
     draw = lambda *shape: rng.standard_normal(shape, dtype=cupy.float32).astype(DTYPE)  # noqa: E731
-    return [(draw(b, hq, n, d), draw(b, hkv, n, d), draw(b, hkv, n, d), draw(b, hq, n, d)) for _ in range(sets)]
+    return [(draw(b, hq, n, d), draw(b, hkv, n, d), draw(b, hkv, n, dv), draw(b, hq, n, dv)) for _ in range(sets)]
 
 
 def grouped(q, k, v, do, hkv):
     """cuflash's view of (B, Hq, N, D) q against (B, Hkv, N, D) k, v: native GQA by broadcasting."""
     b, hq, n, d = q.shape
     g = hq // hkv
-    return q.reshape(b, hkv, g, n, d), k[:, :, None], v[:, :, None], do.reshape(b, hkv, g, n, d)
+    return q.reshape(b, hkv, g, n, d), k[:, :, None], v[:, :, None], do.reshape(b, hkv, g, n, do.shape[-1])
 
 
 def expanded(q, k, v, do, hkv):
@@ -104,11 +116,25 @@ def backward_growth_mib(q, k, v, do, causal):
     return grown / 2**20
 
 
-def attempt(rows_tflops, name, f, fn):
+def describe(err) -> str:
+    """'Type: first line' of an error, and of its cause where it has one (torch.compile's errors
+    say little more than that they have one)."""
+    text = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}"
+    cause = err.__cause__
+    return text + (f" (from {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:160]})"
+                   if cause is not None else "")
+
+
+def attempt(rows_tflops, name, f, fn, skipped=None):
+    """Times fn() into rows_tflops[name] as TFLOP/s of `f` FLOPs; on an error, logs it (and
+    records it in `skipped`, where given)."""
     try:
         ms = fn()
     except Exception as err:   # a rival without a kernel for this shape, or out of memory
-        log(f"  {name}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        reason = describe(err)
+        log(f"  {name}: {reason}")
+        if skipped is not None:
+            skipped[name] = reason
         return
     finally:
         free()
@@ -117,21 +143,27 @@ def attempt(rows_tflops, name, f, fn):
 
 
 def run_dense(name, providers, repeat):
-    b, hq, hkv, n, d, causal = SHAPES[name]
-    data = dense_inputs(b, hq, hkv, n, d)
+    b, hq, hkv, n, d, causal, *rest = SHAPES[name]
+    dv = rest[0] if rest else d
+    data = dense_inputs(b, hq, hkv, n, d, dv=dv)
     rows = []
     for direction in ("fwd", "bwd"):
         log(f"{name} {direction}")
-        f = flops(b, hq, n, n, d, causal, direction)
-        row = {"shape": name, "B": b, "Hq": hq, "Hkv": hkv, "N": n, "D": d, "causal": causal,
-               "direction": direction, "tflops": {}}
-        attempt(row["tflops"], "cuflash", f, lambda: time_cuflash([grouped(*x, hkv) for x in data], causal, direction, repeat))
+        f = flops(b, hq, n, n, d, causal, direction, dv=dv)
+        row = {"shape": name, "B": b, "Hq": hq, "Hkv": hkv, "N": n, "D": d, "Dv": dv, "causal": causal,
+               "direction": direction, "tflops": {}, "skipped": {}}
+        attempt(row["tflops"], "cuflash", f,
+                lambda: time_cuflash([grouped(*x, hkv) for x in data], causal, direction, repeat), row["skipped"])
         if hkv != hq:
             attempt(row["tflops"], "cuflash-expanded", f,
-                    lambda: time_cuflash([expanded(*x, hkv) for x in data], causal, direction, repeat))
+                    lambda: time_cuflash([expanded(*x, hkv) for x in data], causal, direction, repeat), row["skipped"])
         for p in providers:
-            if p in TORCH_BACKENDS:
-                attempt(row["tflops"], p, f, lambda: time_torch(TORCH_BACKENDS[p], data, causal, direction, repeat))
+            if p in TORCH_BACKENDS and dv != d and p in NEEDS_EQUAL_HEAD_DIMS:
+                row["skipped"][p] = f"{NEEDS_EQUAL_HEAD_DIMS[p]} (D {d}, Dv {dv})"
+                log(f"  {p}: skipped: {row['skipped'][p]}")
+            elif p in TORCH_BACKENDS:
+                attempt(row["tflops"], p, f, lambda: time_torch(TORCH_BACKENDS[p], data, causal, direction, repeat),
+                        row["skipped"])
         if direction == "bwd":
             row["bwd_growth_mib"] = {"cuflash": backward_growth_mib(*grouped(*data[0], hkv), causal)}
             if hkv != hq:
@@ -196,6 +228,9 @@ def print_tables(dense, packed):
         cells = [r["shape"], r["direction"], *(f"{t[p]:.0f}" if p in t else "" for p in cols),
                  ratio("torch-flash"), ratio("torch-cudnn"), ratio("cuflash-expanded"), mem_cell]
         print("| " + " | ".join(cells) + " |")
+    for r in dense:
+        for p, reason in r.get("skipped", {}).items():
+            print(f"skipped: {r['shape']} {r['direction']} {p}: {reason}")
     if packed:
         print()
         print(f"Packed batch: {len(packed[0]['lengths'])} sequences, {packed[0]['total']} tokens, "
@@ -211,26 +246,31 @@ def print_tables(dense, packed):
             print("| " + " | ".join(cells) + " |")
 
 
-def draw_chart(dense, packed, out_dir):
+def draw_bars(rows, label, title, path):
+    """TFLOP/s bars: a panel per direction, a group per row (`label(row)` under it), a bar per provider."""
     plt = pyplot("matplotlib not available: no chart")
     if plt is None:
         return
     fig, axes = plt.subplots(2, 1, figsize=(12, 7))
     for ax, direction in zip(axes, ("fwd", "bwd")):
-        rows = [r for r in dense + packed if r["direction"] == direction]
-        names = list(dict.fromkeys(p for r in rows for p in r["tflops"]))
+        rows_ = [r for r in rows if r["direction"] == direction]
+        names = list(dict.fromkeys(p for r in rows_ for p in r["tflops"]))
         width = 0.8 / max(1, len(names))
         for i, p in enumerate(names):
-            ax.bar([j + i * width for j in range(len(rows))], [r["tflops"].get(p, 0) for r in rows], width, label=p)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-        ax.set_xticklabels([r["shape"] for r in rows], fontsize=7, rotation=15)
+            ax.bar([j + i * width for j in range(len(rows_))], [r["tflops"].get(p, 0) for r in rows_], width, label=p)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows_))])
+        ax.set_xticklabels([label(r) for r in rows_], fontsize=7, rotation=15)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{direction}, {DTYPE}", fontsize=9)
+        ax.set_title(f"{direction}, {title}", fontsize=9)
         ax.legend(fontsize=7, ncol=4)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "model_shapes.png"), dpi=90)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def draw_chart(dense, packed, out_dir):
+    draw_bars(dense + packed, lambda r: r["shape"], DTYPE, os.path.join(out_dir, "model_shapes.png"))
 
 
 def main():

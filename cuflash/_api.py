@@ -6,6 +6,7 @@ import contextlib
 import types
 
 from . import _checks, _dispatch, _launch, _plans
+from . import _mods as _score_mods
 
 _CURRENT = contextlib.nullcontext()
 
@@ -24,6 +25,13 @@ def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
             "max_seqlen_k": max_seqlen_k, "check": check}
 
 
+def _mods(softcap, alibi_slopes, sinks):
+    """The score modifiers as the plans take them: None when there are none."""
+    if softcap is None and alibi_slopes is None and sinks is None:
+        return None
+    return softcap, alibi_slopes, sinks
+
+
 def _tile_lists(cupy, launches):
     """Fresh tile lists for a call over packed sequences, by their index in the arrays."""
     if not launches.tile_lists:
@@ -35,7 +43,8 @@ _NO_LISTS = types.MappingProxyType({})
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
+              softcap=None, alibi_slopes=None, sinks=None):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` on the GPU.
 
     A fused FlashAttention kernel: q, k and v stream through on-chip memory in
@@ -83,13 +92,25 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         ValueError at the first bad one. ``check=False`` reads nothing back (CUDA graphs,
         the fast path); bad offsets then give wrong rows, never a read or write outside
         the arrays.
+    softcap : float, optional
+        Caps the scaled scores: ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok). None
+        or 0: no cap.
+    alibi_slopes : cupy.ndarray of float32, optional
+        ALiBi: ``s = s - slope * |i + Nk - Nq - j|`` (per sequence when packed), one slope
+        per batch entry: a shape that broadcasts to the batch dims, usually (H,).
+    sinks : cupy.ndarray of float32, optional
+        One extra logit per batch entry (shape as ``alibi_slopes``) that joins each row's
+        softmax with a value vector of 0 (gpt-oss): ``lse`` counts it, and a row that sees
+        no key gets out 0 and lse equal to its sink.
+
+    The modifiers apply in the order scale, softcap, ALiBi, mask, sinks (docs/contract.md).
 
     Returns
     -------
     out : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv), the input dtype
     lse : cupy.ndarray, shape broadcast(batch dims) + (Nq,), float32
         Only with ``return_lse=True``. A row that sees no key gets out 0 and
-        lse -inf.
+        lse -inf (its sink's logit with ``sinks``).
 
     See Also
     --------
@@ -97,7 +118,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     docs/contract.md : what the library promises (shapes, masks, accuracy, errors).
     """
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
-    plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed)
+    mods = _mods(softcap, alibi_slopes, sinks)
+    plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed, mods)
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
@@ -106,7 +128,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
                else _launch.lse_sink(cupy, plan.device, out))
         lists = _tile_lists(cupy, plan.launches)
         counter = _launch.tile_counter(cupy, plan.device) if plan.launches.counted else None
-        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), counter)
+        entries = _per_entry(cupy, mods, plan.shapes[1][:-1])
+        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), *entries, counter)
         for launch in plan.launches.runs:
             launch.run(arrays)
         if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0
@@ -114,9 +137,16 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     return (out, lse) if return_lse else out
 
 
+def _per_entry(cupy, mods, batch_shape):
+    """(ALiBi slopes, sinks) as the kernels read them, None where absent."""
+    if mods is None:
+        return None, None
+    return tuple(_score_mods.per_entry(cupy, x, batch_shape) for x in mods[1:])
+
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-                       deterministic=True):
+                       deterministic=True, softcap=None, alibi_slopes=None, sinks=None):
     """Gradients of ``attention`` with respect to q, k and v.
 
     Recomputes the scores block by block from q, k and the forward's ``lse``;
@@ -128,6 +158,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dout : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv)
         Gradient of the loss with respect to ``out``.
     q, k, v, causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
+    softcap, alibi_slopes, sinks
         As given to ``attention``.
     out, lse : cupy.ndarray
         The forward's results (``attention(..., return_lse=True)``).
@@ -144,7 +175,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         Shapes and dtypes of q, k, v; the gradient of a broadcast input is
         summed over the dims it was broadcast along. Where k and v are broadcast
         along one dim of q (grouped-query attention), the kernels sum dk and dv over
-        each group as they go, with no temporary of the broadcast size.
+        each group as they go, with no temporary of the broadcast size (not with
+        ``alibi_slopes``: then summed afterwards).
+    dsinks : cupy.ndarray, float32, the shape of sinks
+        Only with ``sinks``: summed over the dims they were broadcast along.
 
     See Also
     --------
@@ -153,8 +187,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     orig = (q, k, v)
     _checks.check_flag("deterministic", deterministic)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
+    mods = _mods(softcap, alibi_slopes, sinks)
     plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
-                                                                   packed, bool(deterministic))
+                                                                   packed, bool(deterministic), mods)
     cupy = _checks.require_cupy()
     # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
     alloc = cupy.empty if plan.launches.runs else cupy.zeros
@@ -165,14 +200,23 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             lists = _tile_lists(cupy, plan.launches)
             tiles = (lists.get(_launch.Q_TILES), lists.get(_launch.K_TILES))
             sums = None if plan.launches.dq_sums is None else cupy.zeros(plan.shapes[0], dtype=cupy.float32)
-            arrays = (q, k, v, out, lse, cu_q, cu_k, *tiles, dout, delta, dq if sums is None else sums, dk, dv)
+            entries = _per_entry(cupy, mods, plan.shapes[3][:-1])
+            arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, tiles[1], dout, delta,
+                      dq if sums is None else sums, dk, dv)
             for launch in plan.launches.runs:
                 launch.run(arrays)
             if sums is not None:
                 _dispatch.scale_dq_sums(sums, dq, plan.launches.dq_sums)
         if plan.dkdv_entries is not None and plan.dkdv_entries[1] > 1:
             dk, dv = (_sum_split(cupy, g, x) for g, x in ((dk, k), (dv, v)))
-        return tuple(_gradient_of(cupy, g, x) for g, x in zip((dq, dk, dv), orig))
+        grads = tuple(_gradient_of(cupy, g, x) for g, x in zip((dq, dk, dv), orig))
+        if sinks is None:
+            return grads
+        if plan.launches.runs:
+            dsinks = _score_mods.dsinks(cupy, sinks, lse, delta, plan.shapes[3][:-1])
+        else:   # no query, or no key: every row's out is 0, so nothing reaches the sinks
+            dsinks = cupy.zeros(sinks.shape, dtype=cupy.float32)
+        return grads + (dsinks,)
 
 
 def _sum_split(cupy, g, x):
@@ -195,7 +239,7 @@ def _gradient_of(cupy, g, x):
 
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-                  deterministic=True):
+                  deterministic=True, softcap=None, alibi_slopes=None, sinks=None):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
@@ -210,11 +254,12 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
     out : cupy.ndarray
         As from ``attention``.
     vjp : callable
-        ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v.
+        ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v (and dsinks
+        after them with ``sinks``, as ``attention_backward`` returns it).
     """
     mask = {"causal": causal, "window": window, "scale": scale, "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
-            "check": check}
+            "check": check, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):

@@ -77,17 +77,128 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def _is_real(x) -> bool:
+    """A real number (Python's or NumPy's), not a bool."""
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (numbers.Real, np.floating, np.integer))
+
+
 def check_scale(scale, d: int) -> float:
     """The softmax scale: ``1/sqrt(d)`` by default, else a finite real number."""
     if scale is None:
         # With d = 0 every score is 0 whatever the scale; avoid 1/sqrt(0).
         return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+    if not _is_real(scale):
         raise TypeError(f"scale must be None or a real number, got {scale!r} of type {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
+
+
+def _broadcasts_to(shape, target) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` without enlarging it."""
+    shape, target = tuple(shape), tuple(target)
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(shape[::-1], target[::-1]))
+
+
+def check_softcap(softcap) -> float:
+    """The ``softcap`` keyword: 0.0 (off) for None or 0, else a finite number > 0."""
+    if softcap is None:
+        return 0.0
+    if not _is_real(softcap):
+        raise TypeError(f"softcap must be None or a real number (> 0, or 0 for off), got {softcap!r} "
+                        f"of type {type(softcap).__name__}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap must be None, 0 (off) or a finite number > 0, got {value}")
+    return value if value > 0 else 0.0
+
+
+def check_per_entry(name: str, x, batch_shape) -> None:
+    """``alibi_slopes`` or ``sinks`` (``name``): a float32 array (NumPy or CuPy: only its shape and
+    dtype are read) of one value per batch entry, whose shape broadcasts to the broadcast batch
+    dims ``batch_shape`` without enlarging them (usually (H,); (Hkv, G) for grouped queries)."""
+    dtype = np.dtype(x.dtype)
+    if dtype != np.float32:
+        raise TypeError(f"{name} must be a float32 array, got dtype {dtype.name} "
+                        f"(cast it with {name}.astype('float32'))")
+    if not _broadcasts_to(x.shape, batch_shape):
+        raise ValueError(f"{name} must have a shape that broadcasts to the batch dims {tuple(batch_shape)} "
+                         f"(one value per batch entry, e.g. per head), got shape {tuple(x.shape)}")
+
+
+def check_bias(bias, batch_shape, nq: int, nk: int, dtype_name: str | None) -> None:
+    """The ``bias`` keyword (only its shape and dtype are read): the inputs' dtype ``dtype_name``
+    or float32 (any dtype with ``dtype_name`` None: cuflash.reference, which checks its own), and
+    a shape that broadcasts to ``batch_shape + (nq, nk)`` without enlarging it."""
+    dtype = np.dtype(bias.dtype)
+    if dtype_name is not None and dtype.name not in (dtype_name, "float32"):
+        raise TypeError(f"bias must have the inputs' dtype ({dtype_name}) or float32, got dtype {dtype.name}")
+    target = tuple(batch_shape) + (nq, nk)
+    if not _broadcasts_to(bias.shape, target):
+        raise ValueError(f"bias must have a shape that broadcasts to the batch dims + (Nq, Nk), {target} "
+                         f"(it may have fewer dims, or 1 where it repeats), got shape {tuple(bias.shape)}")
+
+
+def check_dropout_p(dropout_p) -> float:
+    """The ``dropout_p`` keyword: a real number in [0, 1)."""
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r} "
+                        f"of type {type(dropout_p).__name__}")
+    value = float(dropout_p)
+    if not 0 <= value < 1:   # NaN fails too
+        raise ValueError(f"dropout_p must be in [0, 1), got {value}")
+    return value
+
+
+def check_dropout(dropout_p, seed) -> tuple[float, int | None]:
+    """``dropout_p`` (`check_dropout_p`) and ``seed``: None or an int (not a bool) with
+    0 <= seed < 2**64, required when dropout_p > 0 and unused otherwise."""
+    dropout_p = check_dropout_p(dropout_p)
+    if seed is None:
+        if dropout_p > 0:
+            raise ValueError(f"seed is required when dropout_p > 0 (got dropout_p={dropout_p}): "
+                             "an int with 0 <= seed < 2**64")
+        return dropout_p, None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (numbers.Integral, np.integer)):
+        raise TypeError(f"seed must be None or an int with 0 <= seed < 2**64, got {seed!r} "
+                        f"of type {type(seed).__name__}")
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int with 0 <= seed < 2**64, got {seed}")
+    return dropout_p, seed
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """The score modifiers of one call, checked by `check_modifiers` (docs/contract.md, "Score
+    modifiers"): the arrays as given, None where absent; softcap and dropout_p 0.0 when off."""
+
+    softcap: float = 0.0
+    bias: object = None
+    alibi_slopes: object = None
+    sinks: object = None
+    dropout_p: float = 0.0
+    seed: int | None = None
+
+
+def check_modifiers(batch_shape, nq: int, nk: int, dtype_name: str | None, *, softcap=None, bias=None,
+                    alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, packed: bool = False) -> Modifiers:
+    """Checks the score modifiers of an attention, attention_backward or attention_vjp call, for
+    the GPU functions and cuflash.reference alike: `check_softcap`, `check_bias` (refused with
+    packed sequences), `check_per_entry` for alibi_slopes and sinks, `check_dropout`. The arrays
+    are NumPy or CuPy arrays whose type the caller has checked; only shapes and dtypes are read."""
+    softcap = check_softcap(softcap)
+    if bias is not None:
+        if packed:
+            raise ValueError("bias is not taken with packed sequences (cu_seqlens_q, cu_seqlens_k), "
+                             f"got a bias of shape {tuple(bias.shape)}")
+        check_bias(bias, batch_shape, nq, nk, dtype_name)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            check_per_entry(name, x, batch_shape)
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    return Modifiers(softcap, bias, alibi_slopes, sinks, dropout_p, seed)
 
 
 def check_head_dim(name: str, axis: str, n: int) -> None:
@@ -308,6 +419,7 @@ class AttnInputs:
     # (kernel batch dim, size, q's stride) of the query heads that share each K/V head, or None
     group: tuple[int, int, int] | None = None
     packed: Packed | None = None  # packed variable-length sequences along axis -2
+    mods: object = None  # the score modifiers (_mods.ScoreMods), None: none
 
     @property
     def batch_size(self) -> int:

@@ -14,8 +14,8 @@ from ._launch import (
     Launches, TileListLaunch, blocks_per_sm, cluster_slots, one_per_sm_smem, sm_count,
 )
 from ._tiles import (
-    ELEMENT_TYPES, KEY_RUNS, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles, delta_name,
-    fwd_name, fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, scale_dq_sums_name,
+    ELEMENT_TYPES, KEY_RUNS, MODIFIED, PLAIN, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles,
+    delta_name, fwd_name, fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, scale_dq_sums_name,
     sm90_bwd_names, sm90_bwd_tiles, sm90_fwd_tiles, sum_parts_name,
 )
 
@@ -80,6 +80,11 @@ def _tile_list(x, block: int, by_keys: bool, index: int, capacity: int) -> TileL
     return TileListLaunch(fn, args, index, capacity)
 
 
+def score_path(x) -> str:
+    """The kernels' score path for the call's modifiers (_tiles.SCORE_PATHS)."""
+    return MODIFIED if x.mods is not None and x.mods.active else PLAIN
+
+
 def forward_launches(x) -> Launches:
     """The forward over the whole broadcast batch: one launch (with at least one query),
     after the one that lists its tiles when the sequences are packed."""
@@ -88,21 +93,22 @@ def forward_launches(x) -> Launches:
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
     mask = "window" if x.left is not None else "causal" if x.right is not None else "none"   # (_tiles.MASKS)
-    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask) if _compile.current_arch() == "sm_90a" else None
+    scores = score_path(x)
+    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask, scores) if _compile.current_arch() == "sm_90a" else None
     maps = None
     if isinstance(hopper, Sm90WsFwdTiles):   # through the copy engine where maps describe the inputs
         maps = _tensor_map.attention_maps(x, hopper.block_m, hopper.block_n)
         if maps is None:
-            hopper = hopper.without_maps() or sm90_fwd_tiles(x.dtype_name, head_dim, keys)
+            hopper = hopper.without_maps() or sm90_fwd_tiles(x.dtype_name, head_dim, keys, scores)
         else:
             hopper = dataclasses.replace(hopper, tma=True)
     if hopper is not None:
         smem, block_m, threads, cols = hopper.smem_bytes(itemsize), hopper.block_m, hopper.threads, 1
-        fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed), smem)
+        fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed, scores), smem)
     else:
-        tiles = fwd_tiles(x.dtype_name, head_dim, packed)
+        tiles = fwd_tiles(x.dtype_name, head_dim, packed, scores)
         smem, block_m, threads, cols = tiles.smem_bytes(itemsize), tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
-        fn = _compile.get_function(fwd_name(x.dtype_name, tiles, packed), smem)
+        fn = _compile.get_function(fwd_name(x.dtype_name, tiles, packed, scores), smem)
     ws = isinstance(hopper, Sm90WsFwdTiles)
     if ws:
         params = _params.ws_params(x, block_m, maps.layout if maps else None)
@@ -160,18 +166,18 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     width = max(x.d, x.dv)
     queries = x.nq / x.packed.num_seqs if x.packed and x.packed.num_seqs else x.nq   # per sequence (the mean)
-    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, deterministic or not _dq_in_any_order(x))
+    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, deterministic or not _dq_in_any_order(x), score_path(x))
             if _compile.current_arch() == "sm_90a" else None)
     if sm90 is not None:
-        dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None)
+        dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None, score_path(x))
         dq_res, dkdv_res = sm90.dq_resident, sm90.dkdv_resident
         threads, dkdv_threads = sm90.dq_threads, sm90.dkdv_threads
         dq_smem, dkdv_smem = sm90.smem_bytes(itemsize), sm90.dkdv_smem_bytes(itemsize)
         dq_cols = dkdv_cols = 1   # a block holds gradients of every column
         per_sm = sm90.dkdv_blocks_per_sm
     else:
-        tiles = bwd_tiles(x.dtype_name, head_dim)
-        _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None)
+        tiles = bwd_tiles(x.dtype_name, head_dim, score_path(x))
+        _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None, score_path(x))
         dq_res = dkdv_res = tiles.resident
         dq_smem = dkdv_smem = tiles.smem_bytes(itemsize)
         dq_cols = dkdv_cols = max(1, -(-width // tiles.dcol))

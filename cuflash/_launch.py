@@ -15,12 +15,13 @@ from . import _gpu, _params
 
 # The arrays of a call, in the order the launches' ``fields`` index them: a record's
 # pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
-FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles", "tile_counter")
-BWD_ARRAYS = FWD_ARRAYS[:8] + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
-FWD_FIELDS = tuple(range(8))
+FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles", "alibi_slopes", "sinks",
+              "tile_counter")
+BWD_ARRAYS = FWD_ARRAYS[:10] + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
+FWD_FIELDS = tuple(range(10))
 WS_FWD_FIELDS = FWD_FIELDS + (FWD_ARRAYS.index("tile_counter"),)   # WsFwdParams' pointers
-DQ_FIELDS = tuple(range(8)) + tuple(range(9, 14))
-DKDV_FIELDS = tuple(range(7)) + tuple(range(8, 14))
+DQ_FIELDS = tuple(range(10)) + tuple(range(11, 16))
+DKDV_FIELDS = tuple(range(7)) + (BWD_ARRAYS.index("k_tiles"), 8, 9) + tuple(range(11, 16))
 Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
 CU_SEQLENS_Q, CU_SEQLENS_K = FWD_ARRAYS.index("cu_seqlens_q"), FWD_ARRAYS.index("cu_seqlens_k")
 

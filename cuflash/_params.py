@@ -21,10 +21,12 @@ PARAMS_DTYPE = np.dtype(
     [
         ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("out", np.uint64), ("lse", np.uint64),
         ("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("tiles", np.uint64),
+        ("alibi_slopes", np.uint64), ("sinks", np.uint64),
         ("q_row_stride", np.int64), ("k_row_stride", np.int64), ("v_row_stride", np.int64),
         ("nq", np.int64), ("nk", np.int64), ("d", np.int64), ("dv", np.int64),
         ("window_left", np.int64), ("window_right", np.int64),
         ("scale_log2", np.float32), ("scale_log2_lo", np.float32),
+        ("cap", np.float32), ("cap_inv", np.float32), ("unscale", np.float32), ("slope_unit", np.float32),
         ("num_m_blocks", np.int64),
         ("num_tiles", np.int64),
         ("batch_size", np.int64),
@@ -98,6 +100,14 @@ def scale_log2_parts(scale: float) -> tuple[float, float]:
     with np.errstate(over="ignore", invalid="ignore"):   # a scale past float32's range: inf, as the kernels had it
         high = np.float32(exact)
         return float(high), float(np.float32(exact - float(high)))
+
+
+def score_units(softcap: float, scale: float) -> tuple[float, float, float, float]:
+    """AttnParams' cap, cap_inv, unscale, slope_unit (kernels/attention/score_path.cuh): softcap c
+    in raw scores' units, c / scale and scale / c (0, 0: none), 1 / (scale log2 e) and 1 / scale
+    (0 where the scale is 0: no modifier then reaches the kernels)."""
+    cap = (softcap / scale, scale / softcap) if softcap and scale else (0.0, 0.0)
+    return cap + ((1 / (scale * math.log2(math.e)), 1 / scale) if scale else (0.0, 0.0))
 
 
 def fast_divisor(d: int) -> int:
@@ -180,9 +190,9 @@ def bwd_params(inputs, resident: int, layout: BatchLayout | None = None) -> np.n
 
 
 # The pointer fields, as 8-byte words of each record: q, k, v, out, lse, cu_seqlens_q,
-# cu_seqlens_k, tiles first in both attention records, then the backward's dout, delta,
+# cu_seqlens_k, tiles, alibi_slopes, sinks first in both attention records, then the backward's dout, delta,
 # dq, dk, dv_grad right after AttnParams; a DecodeParams record starts with its pointers.
-FWD_POINTERS = 8
+FWD_POINTERS = 10
 _POINTER_WORDS = {   # runs of consecutive words (slices assign faster than index arrays)
     PARAMS_DTYPE: (slice(0, FWD_POINTERS),),
     BWD_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)),
@@ -237,11 +247,12 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
     q_strides, k_strides, v_strides = (tuple(st) + pad for st in layout.strides)
     group, m_blocks = grid_group(x, layout.entries), -(-x.nq // block_m)
     return (
-        0, 0, 0, 0, 0, 0, 0, 0,
+        *(0,) * FWD_POINTERS,
         *x.row_strides,
         x.nq, x.nk, x.d, x.dv,
         left, right,
         *scale_log2_parts(x.scale),
+        *score_units(x.mods.softcap if x.mods is not None else 0.0, x.scale),
         m_blocks, 0, layout.entries, group,
         layout.group_size, layout.group_inner, layout.q_group_stride,
         n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides,

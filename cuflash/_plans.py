@@ -13,11 +13,12 @@ checks the offsets.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import threading
 from dataclasses import dataclass
 
-from . import _checks, _dispatch, _launch
+from . import _checks, _dispatch, _launch, _mods
 
 MAX_PLANS = 512   # beyond this many signatures the cache starts over
 
@@ -56,7 +57,7 @@ def _array_key(a):
     return type(a), a.dtype, a.shape, a.strides, memory.device_id, memory.ptr % 16 == 0
 
 
-def _signature(direction: str, arrays, causal, window, scale, packed=None):
+def _signature(direction: str, arrays, causal, window, scale, packed=None, mods=None):
     """The cache key of a call, or None when an argument cannot be part of one (the checks
     then say what is wrong with it)."""
     if not (window is None or isinstance(window, (tuple, list))):
@@ -70,7 +71,7 @@ def _signature(direction: str, arrays, causal, window, scale, packed=None):
             None if window is None else tuple((type(w), w) for w in window),
             type(scale), scale,
         )
-        key = (direction, mask, packed, *map(_array_key, arrays))
+        key = (direction, mask, packed, mods, *map(_array_key, arrays))
         hash(key)
     except (AttributeError, TypeError):
         return None
@@ -102,14 +103,25 @@ def _same_offsets(x, packed) -> bool:
                                 and x.packed.cu_seqlens_k is packed["cu_seqlens_k"])
 
 
-def forward(q, k, v, causal, window, scale, packed=None):
+def _modified(x, mods):
+    """x with the call's score modifiers (``mods``: softcap, alibi_slopes, sinks, or None);
+    a pass with ALiBi slopes does not group its query heads (each has its slope)."""
+    if mods is None:
+        return x
+    cupy = _checks.require_cupy()
+    checked = _mods.check(cupy, *mods, x.batch_shape, x.q.device.id)
+    return dataclasses.replace(x, mods=checked, group=None if checked.alibi else x.group)
+
+
+def forward(q, k, v, causal, window, scale, packed=None, mods=None):
     """(plan, (q, k, v, cu_seqlens_q, cu_seqlens_k) as the kernels read them) of a forward
-    call; raises as the checks do. ``packed``: the packed-sequence keywords, or None."""
-    key = _signature("fwd", (q, k, v), causal, window, scale, packed)
+    call; raises as the checks do. ``packed``: the packed-sequence keywords, or None;
+    ``mods``: (softcap, alibi_slopes, sinks), or None."""
+    key = _signature("fwd", (q, k, v), causal, window, scale, packed, mods and _mods.key(*mods))
     plan = _plans.get(key)
     if plan is not None:
         return plan, (q, k, v) + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
-    x = _checks.attention_inputs(q, k, v, causal, window, scale, packed)
+    x = _modified(_checks.attention_inputs(q, k, v, causal, window, scale, packed), mods)
     with x.q.device:
         launches = _dispatch.forward_launches(x) if x.batch_size and x.nq else _launch.Launches(())
     plan = Plan(x.q.device.id, (x.batch_shape + (x.nq, x.dv), x.batch_shape + (x.nq,)), launches)
@@ -118,15 +130,17 @@ def forward(q, k, v, causal, window, scale, packed=None):
     return plan, (x.q, x.k, x.v) + _packed_arrays(x)
 
 
-def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None, deterministic=True):
+def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None, deterministic=True, mods=None):
     """(plan, (q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k) as the kernels read them)
     of a backward call. A plan without launches (no query or no key) stands for zero gradients."""
     arrays = (q, k, v, out, lse, dout)
-    key = _signature("bwd" if deterministic else "bwd, any order", arrays, causal, window, scale, packed)
+    key = _signature("bwd" if deterministic else "bwd, any order", arrays, causal, window, scale, packed,
+                     mods and _mods.key(*mods))
     plan = _plans.get(key)
     if plan is not None:
         return plan, arrays + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
     x = _checks.attention_inputs(q, k, v, causal, window, scale, packed, dout=dout, out=out, lse=lse)
+    x = _modified(x, mods)
     cupy = _checks.require_cupy()
     out2, dout2, lse2 = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
     with x.q.device:

@@ -38,6 +38,12 @@ class FwdTiles:
         return rows * itemsize
 
 
+# The score paths (kernels/attention/score_path.cuh), every attention kernel's last template
+# argument: plain scores, or scores through the modifiers (softcap, ALiBi, sinks).
+PLAIN, MODIFIED = "plain", "modified"
+SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores"}
+
+
 def head_dim_bucket(d: int, dv: int) -> int:
     need = max(d, dv)
     for bucket in HEAD_DIM_BUCKETS:
@@ -46,7 +52,7 @@ def head_dim_bucket(d: int, dv: int) -> int:
     raise ValueError(f"head dim {need} is above the largest supported, {MAX_HEAD_DIM}")
 
 
-def fwd_tiles(dtype_name: str, head_dim: int, packed: bool = False) -> FwdTiles:
+def fwd_tiles(dtype_name: str, head_dim: int, packed: bool = False, scores: str = PLAIN) -> FwdTiles:
     """Tile shape of the forward kernel for one (dtype, head-dim bucket).
 
     Each warp keeps 16 rows x dv_block output accumulators in registers; the
@@ -59,9 +65,10 @@ def fwd_tiles(dtype_name: str, head_dim: int, packed: bool = False) -> FwdTiles:
         dv_block = 64 if head_dim == 256 else head_dim
         return FwdTiles(head_dim, dv_block, block_m=64, block_n=block_n, warps=4)
     # two 16-row tiles per warp halve the shared-memory reads of K and V per product; the
-    # packed-sequence kernels hold a few more registers and take two only up to head dim 64
-    block_m = 128 if head_dim <= (64 if packed else 128) else 64
-    block_n = 64 if head_dim <= 128 else 32
+    # packed-sequence and modified-score kernels hold a few more registers and take two only
+    # up to head dim 64 (at 128 the modified one spilled 28 bytes)
+    block_m = 128 if head_dim <= (64 if packed or scores == MODIFIED else 128) else 64
+    block_n = 64 if head_dim <= 128 and not (head_dim == 96 and scores == MODIFIED) else 32   # (96: spilled 24 bytes)
     return FwdTiles(head_dim, head_dim, block_m=block_m, block_n=block_n, warps=4)
 
 
@@ -70,10 +77,12 @@ def _flag(packed: bool) -> str:
     return "true" if packed else "false"
 
 
-def fwd_name(dtype_name: str, tiles: FwdTiles, packed: bool = False) -> str:
+
+def fwd_name(dtype_name: str, tiles: FwdTiles, packed: bool = False, scores: str = PLAIN) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    return f"cuflash::attn_fwd<{elem}, {t.head_dim}, {t.dv_block}, {t.block_m}, {t.block_n}, {t.warps}, {_flag(packed)}>"
+    return (f"cuflash::attn_fwd<{elem}, {t.head_dim}, {t.dv_block}, {t.block_m}, {t.block_n}, {t.warps}, "
+            f"{_flag(packed)}, {SCORE_PATHS[scores]}>")
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class Sm90FwdTiles:
         return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * itemsize
 
 
-def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> Sm90FwdTiles | None:
+def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, scores: str = PLAIN) -> Sm90FwdTiles | None:
     """The Hopper forward tiles for (dtype, head-dim bucket), or None where the
     portable kernel runs instead (float32, head dims that are not whole 64-column panels).
 
@@ -114,6 +123,8 @@ def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None) -> S
     # nothing, and 64-key blocks beat 128 at head dim 64. (hopper_fwd_tiles runs these only
     # where no tensor map describes a head-dim-256 call, and for the short tiles above.)
     block_n = 128 if head_dim == 128 else 64
+    if head_dim == 256 and scores == MODIFIED:
+        block_n = 32   # (64 keys spilled 8-24 bytes beside the modifiers)
     return Sm90FwdTiles(head_dim, block_n, warpgroups=2)
 
 
@@ -170,7 +181,7 @@ MASKS = ("none", "causal", "window")
 
 
 def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
-                      mask: str = "window") -> Sm90WsFwdTiles | None:
+                      mask: str = "window", scores: str = PLAIN) -> Sm90WsFwdTiles | None:
     """The loading-warpgroup forward's tiles where it runs instead of attn_fwd_sm90, by
     measurement (docs/design.md, "Hopper forward"): head dims 64 and 128, except head dim 64
     with at most 128 keys per tile (of each sequence; the mean over packed ones), where blocks
@@ -182,11 +193,14 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     and under a causal mask from 8192 (1.01-1.08x in six processes); and head dim
     256, 80-key blocks with one Q buffer and through tensor maps only (``maps_only``; 1.02-1.11x
     64-key blocks, which ran at 1.2-1.4x attn_fwd_sm90). None elsewhere. These are the
-    tiles through maps; ``without_maps`` gives the others."""
+    tiles through maps; ``without_maps`` gives the others. The modified scores' kernels
+    (``scores``) hold a few more registers: 64-key blocks at head dim 256 and two computing
+    warpgroups at 64 (80 keys and three warpgroups spilled 4-8 bytes)."""
     if dtype_name == "float32":
         return None
+    modified = scores == MODIFIED
     if head_dim == 256:
-        return Sm90WsFwdTiles(256, 80, stages=2, q_buffers=1)
+        return Sm90WsFwdTiles(256, 64 if modified else 80, stages=2, q_buffers=1)
     if head_dim not in (64, 128):
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
@@ -194,23 +208,23 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     wide_from = SM90_WS_FWD_D128_WIDE_FROM_KEYS.get(mask)
     if head_dim == 128 and wide_from is not None and keys is not None and keys >= wide_from:
         return Sm90WsFwdTiles(128, 176, stages=2, q_buffers=1)
-    three = head_dim == 64 and (keys is None or keys >= SM90_WS_FWD_D64_THREE_FROM_KEYS)
+    three = head_dim == 64 and (keys is None or keys >= SM90_WS_FWD_D64_THREE_FROM_KEYS) and not modified
     stages = 3 if three and mask == "none" else 2
     return Sm90WsFwdTiles(head_dim, 128, stages=stages, consumers=3 if three else 2)
 
 
-def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, mask: str = "window"):
+def hopper_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None, mask: str = "window", scores: str = PLAIN):
     """The Hopper forward's kernel for a call: loading-warpgroup tiles (Sm90WsFwdTiles),
     attn_fwd_sm90 tiles (Sm90FwdTiles), or None where the portable kernel runs."""
-    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, mask)
-    return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys)
+    ws = sm90_ws_fwd_tiles(dtype_name, head_dim, keys, mask, scores)
+    return ws if ws is not None else sm90_fwd_tiles(dtype_name, head_dim, keys, scores)
 
 
-def hopper_fwd_name(dtype_name: str, tiles, packed: bool = False) -> str:
+def hopper_fwd_name(dtype_name: str, tiles, packed: bool = False, scores: str = PLAIN) -> str:
     """The kernel name of hopper_fwd_tiles' choice (either kernel)."""
     if isinstance(tiles, Sm90WsFwdTiles):
-        return sm90_ws_fwd_name(dtype_name, tiles, packed)
-    return sm90_fwd_name(dtype_name, tiles, packed)
+        return sm90_ws_fwd_name(dtype_name, tiles, packed, scores)
+    return sm90_fwd_name(dtype_name, tiles, packed, scores)
 
 
 # Keys per tile on either side of where the Hopper forward's choice of kernel changes
@@ -219,17 +233,17 @@ HOPPER_FWD_KEYS = (128, SM90_WS_FWD_D64_THREE_FROM_KEYS // 2, SM90_WS_FWD_D64_TH
                    *SM90_WS_FWD_D128_WIDE_FROM_KEYS.values())
 
 
-def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False) -> str:
+def sm90_ws_fwd_name(dtype_name: str, tiles: Sm90WsFwdTiles, packed: bool = False, scores: str = PLAIN) -> str:
     elem = ELEMENT_TYPES[dtype_name][0]
     t = tiles
     return (f"cuflash::attn_fwd_sm90_ws<{elem}, {t.head_dim}, {t.block_n}, {t.stages}, {t.q_buffers}, {t.consumers}, "
-            f"{_flag(packed)}, {_flag(t.tma)}>")
+            f"{_flag(packed)}, {_flag(t.tma)}, {SCORE_PATHS[scores]}>")
 
 
-def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False) -> str:
+def sm90_fwd_name(dtype_name: str, tiles: Sm90FwdTiles, packed: bool = False, scores: str = PLAIN) -> str:
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    rest = f"{t.warpgroups}, {t.min_blocks}, {_flag(packed)}"
+    rest = f"{t.warpgroups}, {t.min_blocks}, {_flag(packed)}, {SCORE_PATHS[scores]}"
     return f"cuflash::attn_fwd_sm90<{elem}, {t.head_dim}, {t.block_n}, {rest}>"
 
 
@@ -250,7 +264,7 @@ class BwdTiles:
         return tiles * self.head_dim * itemsize + 4 * self.step * 4
 
 
-def bwd_tiles(dtype_name: str, head_dim: int) -> BwdTiles:
+def bwd_tiles(dtype_name: str, head_dim: int, scores: str = PLAIN) -> BwdTiles:
     """Tile shape of the backward kernels for one (dtype, head-dim bucket).
 
     A warp keeps 16 rows x dcol accumulators of dk and dv (or of dq) plus two
@@ -258,17 +272,18 @@ def bwd_tiles(dtype_name: str, head_dim: int) -> BwdTiles:
     columns over blocks (each recomputing the scores) so that nothing spills.
     """
     if dtype_name == "float32":
-        return BwdTiles(head_dim, 32, 16, warps=4)
+        # (the modified dk/dv pass at head dim 32 spilled 8 bytes with 32 columns)
+        return BwdTiles(head_dim, 16 if head_dim == 32 and scores == MODIFIED else 32, 16, warps=4)
     dcol = {192: 96, 256: 128}.get(head_dim, head_dim)
     step = {32: 64, 64: 64, 256: 16}.get(head_dim, 32)
     return BwdTiles(head_dim, dcol, step, warps=4)
 
 
-def bwd_names(dtype_name: str, tiles: BwdTiles, packed: bool = False) -> tuple[str, str, str]:
+def bwd_names(dtype_name: str, tiles: BwdTiles, packed: bool = False, scores: str = PLAIN) -> tuple[str, str, str]:
     """(delta, dk/dv, dq) kernel name expressions."""
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    args = f"{elem}, {t.head_dim}, {t.dcol}, {t.step}, {t.warps}, {_flag(packed)}"
+    args = f"{elem}, {t.head_dim}, {t.dcol}, {t.step}, {t.warps}, {_flag(packed)}, {SCORE_PATHS[scores]}"
     return (delta_name(dtype_name), f"cuflash::attn_bwd_dkdv<{args}>", f"cuflash::attn_bwd_dq<{args}>")
 
 
@@ -367,7 +382,7 @@ SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 
 
 def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_MIN_QUERIES_D64,
-                   deterministic: bool = True) -> Sm90BwdTiles | None:
+                   deterministic: bool = True, scores: str = PLAIN) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
     None (as sm90_fwd_tiles), by measurement (docs/design.md, "Backward").
 
@@ -377,7 +392,10 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
     (1.00-1.10x 64); at 64 the dk/dv pass does from 2048 queries (1.01-1.10x; below, its
     fewer and longer blocks lose, and the dq pass on one gains nothing). Not deterministic:
     from 2048 query rows at head dims 64 and 128, the dk/dv pass on a loading warpgroup adds
-    dq up too (no dq pass); elsewhere the same tiles."""
+    dq up too (no dq pass); elsewhere the same tiles. The modified scores' kernels (``scores``)
+    step over 64 keys in the dq pass at 64 and run dk/dv without a loading warpgroup at 128
+    (the others spilled 8-24 bytes beside softcap's gradient)."""
+    modified = scores == MODIFIED
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
     if head_dim == 256:
@@ -388,25 +406,28 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
         # block's exponentials run during the other's products; dk/dv's gradient products
         # overlapping the next step (3 stages); dq over 128 keys per step
         ws = 4 if queries >= SM90_WS_BWD_MIN_QUERIES_D64 else 0
-        return Sm90BwdTiles(64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=128, dq_stages=2,
-                            dkdv_ws_stages=ws, dkdv_adds_dq=adds_dq)
+        return Sm90BwdTiles(64, step=64, warpgroups=1, stages=3, min_blocks=2, dq_step=64 if modified else 128,
+                            dq_stages=2, dkdv_ws_stages=ws, dkdv_adds_dq=adds_dq)
     # both passes on a loading warpgroup, two stages each (three spill in attn_bwd_dkdv_sm90,
     # and gain nothing on a loading warpgroup; adding dq up, a third does not fit beside the
     # dq chunks); at head dim 128 the dq pass over 128 keys a step
-    return Sm90BwdTiles(head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2, dq_ws_stages=2,
-                        dq_step=128 if head_dim == 128 else 0, dkdv_adds_dq=adds_dq)
+    on_loader = not (modified and head_dim == 128)
+    return Sm90BwdTiles(head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2 if on_loader else 0,
+                        dq_ws_stages=2, dq_step=128 if head_dim == 128 else 0, dkdv_adds_dq=adds_dq and on_loader)
 
 
-def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -> tuple[str, str]:
+def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False,
+                   scores: str = PLAIN) -> tuple[str, str]:
     """(dk/dv, dq) kernel name expressions."""
     t = tiles
     elem = ELEMENT_TYPES[dtype_name][0]
-    flag = _flag(packed)
+    flag = f"{_flag(packed)}, {SCORE_PATHS[scores]}"
     if t.wide_dkdv:
         dkdv = f"cuflash::attn_bwd_dkdv_wide_sm90<{elem}, {t.head_dim}, {t.step}, {t.stages}, {flag}>"
     elif t.dkdv_ws_stages:
         adds = _flag(t.dkdv_adds_dq)
-        dkdv = f"cuflash::attn_bwd_dkdv_sm90_ws<{elem}, {t.head_dim}, {t.dkdv_ws_stages}, {flag}, {adds}>"
+        dkdv = (f"cuflash::attn_bwd_dkdv_sm90_ws<{elem}, {t.head_dim}, {t.dkdv_ws_stages}, {_flag(packed)}, {adds}, "
+                f"{SCORE_PATHS[scores]}>")
     else:
         rest = f"{t.step}, {t.warpgroups}, {t.stages}, {t.min_blocks}, {flag}"
         dkdv = f"cuflash::attn_bwd_dkdv_sm90<{elem}, {t.head_dim}, {rest}>"
@@ -420,33 +441,31 @@ def sm90_bwd_names(dtype_name: str, tiles: Sm90BwdTiles, packed: bool = False) -
 def all_specializations(arch: str = "sm_80") -> list[str]:
     """Every kernel name expression the library can launch on a target such as ``"sm_90a"``."""
     names = []
-    for dt in ELEMENT_TYPES:
-        for hd in HEAD_DIM_BUCKETS:
-            for packed in (False, True):
-                sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
-                if sm90 is not None:   # then the portable kernels never run there
-                    for keys, mask in itertools.product(HOPPER_FWD_KEYS, MASKS):
-                        tiles = hopper_fwd_tiles(dt, hd, keys, mask)
-                        variants = [tiles]
-                        if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
-                            variants = [dataclasses.replace(tiles, tma=True)] if not packed else []
-                            # (where no maps fit: by cp.async, or attn_fwd_sm90)
-                            variants.append(tiles.without_maps() or sm90_fwd_tiles(dt, hd, keys))
-                        for t in variants:
-                            name = hopper_fwd_name(dt, t, packed)
-                            if name not in names:
-                                names.append(name)
-                    # (dq added up in any order: dense calls only, _dispatch._dq_in_any_order)
-                    for queries, deterministic in ((1, True), (SM90_WS_BWD_MIN_QUERIES_D64, True),
-                                                   (SM90_WS_BWD_MIN_QUERIES_D64, packed)):
-                        tiles = sm90_bwd_tiles(dt, hd, queries, deterministic)
-                        bwd = sm90_bwd_names(dt, tiles, packed)
-                        if tiles.dkdv_adds_dq:   # then delta runs first, and the sums are scaled and rounded
-                            bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt, hd))
-                        names.extend(n for n in bwd if n not in names)
-                else:
-                    names.append(fwd_name(dt, fwd_tiles(dt, hd, packed), packed))
-                    names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd), packed) if n not in names)
+    for dt, hd, packed, scores in itertools.product(ELEMENT_TYPES, HEAD_DIM_BUCKETS, (False, True), SCORE_PATHS):
+        sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
+        if sm90 is not None:   # then the portable kernels never run there
+            for keys, mask in itertools.product(HOPPER_FWD_KEYS, MASKS):
+                tiles = hopper_fwd_tiles(dt, hd, keys, mask, scores)
+                variants = [tiles]
+                if isinstance(tiles, Sm90WsFwdTiles):   # dense: through tensor maps where they fit
+                    variants = [dataclasses.replace(tiles, tma=True)] if not packed else []
+                    # (where no maps fit: by cp.async, or attn_fwd_sm90)
+                    variants.append(tiles.without_maps() or sm90_fwd_tiles(dt, hd, keys, scores))
+                for t in variants:
+                    name = hopper_fwd_name(dt, t, packed, scores)
+                    if name not in names:
+                        names.append(name)
+            # (dq added up in any order: dense calls only, _dispatch._dq_in_any_order)
+            for queries, deterministic in ((1, True), (SM90_WS_BWD_MIN_QUERIES_D64, True),
+                                           (SM90_WS_BWD_MIN_QUERIES_D64, packed)):
+                tiles = sm90_bwd_tiles(dt, hd, queries, deterministic, scores)
+                bwd = sm90_bwd_names(dt, tiles, packed, scores)
+                if tiles.dkdv_adds_dq:   # then delta runs first, and the sums are scaled and rounded
+                    bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt, hd))
+                names.extend(n for n in bwd if n not in names)
+        else:
+            names.append(fwd_name(dt, fwd_tiles(dt, hd, packed, scores), packed, scores))
+            names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd, scores), packed, scores) if n not in names)
     return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
             + decode_specializations(arch))
 

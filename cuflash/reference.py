@@ -10,24 +10,36 @@ key blocks skipped outside the mask band, an online softmax in the log2 domain, 
 only on blocks that need them. It exists so the kernel's algorithm can be checked on the CPU,
 separately from CUDA details.
 
+The score modifiers (``softcap``, ``bias``, ``alibi_slopes``, ``sinks``, ``dropout_p`` with
+``seed``; docs/contract.md, "Score modifiers") go through one score path, `_scores` and
+`_probabilities`, in every function that takes them. `dropout_keep` is dropout's keep mask, the
+pure function of (seed, batch entry, row, key) that docs/contract.md writes out for the GPU
+functions and the reference alike.
+
 Inputs of any real dtype are accepted (including ``ml_dtypes.bfloat16``); they are converted
 with ``.astype(np.float64)`` and the results are float64.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
 from ._checks import (
-    check_backward_arrays, check_flag, check_num_splits, check_scale, check_shapes, host_cache_seqlens,
-    kvcache_lengths, kvcache_shapes, merge_parts, packed_sequences, sum_to_shape,
+    check_backward_arrays, check_dropout, check_dropout_p, check_flag, check_modifiers, check_num_splits,
+    check_per_entry, check_scale, check_shapes, check_softcap, host_cache_seqlens, kvcache_lengths, kvcache_shapes,
+    merge_parts, packed_sequences, sum_to_shape,
 )
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
 
-__all__ = ["attention", "attention_backward", "attention_kvcache", "merge_attention", "tiled_attention"]
+__all__ = [
+    "attention", "attention_backward", "attention_kvcache", "dropout_keep", "dropout_threshold", "merge_attention",
+    "tiled_attention",
+]
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -66,16 +78,112 @@ def _check_inputs(q, k, v, scale):
     return q, k, v, batch, check_scale(scale, q.shape[-1])
 
 
-def _scores(q, k, batch, scale, left, right):
-    """The scaled score matrix with disallowed entries set to -inf: shape batch + (Nq, Nk).
+@dataclass(frozen=True)
+class _ScorePath:
+    """What turns q and k into probabilities in one call: the mask and the score modifiers,
+    their arrays in float64 and broadcast to the batch shape."""
 
-    ``batch`` is the broadcast batch shape of q, k and v; it may have more dims than q and k
-    (when only v has them), so the scores are broadcast to it explicitly.
+    batch: tuple
+    scale: float
+    left: int | None
+    right: int | None
+    softcap: float = 0.0
+    bias: np.ndarray | None = None    # batch + (Nq, Nk)
+    alibi: np.ndarray | None = None   # batch
+    sinks: np.ndarray | None = None   # batch
+    dropout_p: float = 0.0
+    seed: int | None = None
+
+
+def _per_entry(name: str, x):
+    """alibi_slopes or sinks as given: None, or a NumPy array (its dtype is checked later)."""
+    if x is None:
+        return None
+    _as_host(name, x)
+    return np.asarray(x)
+
+
+def _score_path(q, k, batch, scale, causal, window, packed=False, *, softcap=None, bias=None, alibi_slopes=None,
+                sinks=None, dropout_p=0.0, seed=None) -> _ScorePath:
+    """Checks the mask and the score modifiers of a call (`cuflash._checks.check_modifiers`, with
+    a bias of any real dtype) against float64 q and k of broadcast batch shape ``batch``."""
+    left, right = normalize_window(causal, window)
+    nq, nk = q.shape[-2], k.shape[-2]
+    alibi_slopes, sinks = _per_entry("alibi_slopes", alibi_slopes), _per_entry("sinks", sinks)
+    if bias is not None:
+        bias = _as_float64("bias", bias)
+    m = check_modifiers(batch, nq, nk, None, softcap=softcap, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                        dropout_p=dropout_p, seed=seed, packed=packed)
+
+    def wide(x, shape):
+        return None if x is None else np.broadcast_to(np.asarray(x, dtype=np.float64), shape)
+
+    return _ScorePath(batch, scale, left, right, m.softcap, wide(bias, batch + (nq, nk)), wide(alibi_slopes, batch),
+                      wide(sinks, batch), m.dropout_p, m.seed)
+
+
+def _scores(q, k, path: _ScorePath, rows: slice, keys: slice, nq: int, nk: int, masked: bool = True):
+    """Steps 1 to 5 of the score path (docs/contract.md, "Score modifiers") for query rows
+    ``rows`` and keys ``keys`` of one problem of ``nq`` rows and ``nk`` keys (``q`` and ``k`` hold
+    those rows and keys): the scores, shape batch + (rows, keys), -inf where masked (``masked``
+    False skips the mask, for blocks that need none), and the softcap's derivative
+    ``1 - tanh^2`` (None without softcap)."""
+    s = path.scale * (q @ np.swapaxes(k, -1, -2))                                 # 1. scale q.k
+    dcap = None
+    if path.softcap:                                                              # 2. softcap
+        t = np.tanh(s / path.softcap)
+        s, dcap = path.softcap * t, 1.0 - t * t
+    if path.bias is not None:                                                     # 3. bias
+        s = s + path.bias[..., rows, keys]
+    if path.alibi is not None:                                                    # 4. ALiBi
+        i, j = np.arange(rows.start, rows.stop), np.arange(keys.start, keys.stop)
+        s = s - path.alibi[..., None, None] * np.abs(i[:, None] + (nk - nq) - j)
+    if masked:                                                                    # 5. mask
+        allowed = block_allowed(rows.start, rows.stop, keys.start, keys.stop, nq, nk, path.left, path.right)
+        s = np.where(allowed, s, -np.inf)
+    return np.broadcast_to(s, path.batch + s.shape[-2:]), dcap
+
+
+def _logsumexp(s, sinks):
+    """The natural-log logsumexp of each row of ``s`` and its sink (step 6): -inf for a row with
+    neither a key nor a sink, the sink for a row with no key."""
+    m = s.max(axis=-1, initial=-np.inf)
+    if sinks is not None:
+        sinks = sinks[..., None]
+        m = np.maximum(m, sinks)
+    base = np.where(np.isfinite(m), m, 0.0)
+    total = np.exp(s - base[..., None]).sum(axis=-1)
+    if sinks is not None:
+        total = total + np.exp(sinks - base)
+    return base + np.log(total, out=np.full(total.shape, -np.inf), where=total > 0)
+
+
+def _probabilities(q, k, path: _ScorePath, rows0: int, keys0: int, lse=None):
+    """Steps 1 to 7 of the score path for one whole problem: a dense call, or one packed sequence
+    whose rows and keys start at ``rows0`` and ``keys0`` of axis -2 (its dropout positions).
+
+    Returns ``p``, the probabilities of step 6 (batch + (Nq, Nk); 0 where masked and on rows
+    whose lse is not finite), the ``lse`` (computed, or the one given: the backward recomputes
+    ``p`` from the forward's), the softcap's derivative (or None) and dropout's multipliers
+    ``keep / (1 - dropout_p)`` (or None without dropout).
     """
     nq, nk = q.shape[-2], k.shape[-2]
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    s = np.where(block_allowed(0, nq, 0, nk, nq, nk, left, right), s, -np.inf)
-    return np.broadcast_to(s, batch + (nq, nk))
+    s, dcap = _scores(q, k, path, slice(0, nq), slice(0, nk), nq, nk)
+    if lse is None:
+        lse = _logsumexp(s, path.sinks)
+    row_ok = np.isfinite(lse)[..., None]
+    p = np.where(row_ok, np.exp(s - np.where(row_ok, lse[..., None], 0.0)), 0.0)
+    return p, lse, dcap, _dropout(path, rows0 + np.arange(nq), keys0 + np.arange(nk))
+
+
+def _dropout(path: _ScorePath, i, j):
+    """Step 7 of the score path: dropout's multipliers ``keep / (1 - dropout_p)`` of rows ``i``
+    and keys ``j`` (positions along axis -2), shape batch + (len(i), len(j)); None without
+    dropout."""
+    if not path.dropout_p:
+        return None
+    n = np.arange(math.prod(path.batch)).reshape(path.batch + (1, 1))
+    return dropout_keep(path.seed, n, i[:, None], j, path.dropout_p) / (1.0 - path.dropout_p)
 
 
 def _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
@@ -90,14 +198,13 @@ def _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
                             bool(check))
 
 
-def _per_sequence(forward, q, k, v, batch, packed, **keywords):
-    """out and lse of a packed call, ``forward`` (`attention` or `tiled_attention`) run on each
-    sequence's rows and keys; rows that no sequence owns give 0 and -inf."""
+def _per_sequence(forward, q, k, v, batch, packed):
+    """out and lse of a packed call, ``forward(q, k, v, q0, k0)`` run on each sequence's rows
+    and keys (starting at rows q0 and k0); rows that no sequence owns give 0 and -inf."""
     out = np.zeros(batch + (q.shape[-2], v.shape[-1]))
     lse = np.full(batch + (q.shape[-2],), -np.inf)
     for q0, q1, k0, k1 in packed:
-        out[..., q0:q1, :], lse[..., q0:q1] = forward(
-            q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], return_lse=True, **keywords)
+        out[..., q0:q1, :], lse[..., q0:q1] = forward(q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], q0, k0)
     return out, lse
 
 
@@ -112,8 +219,10 @@ def _as_host(name: str, x) -> None:
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True):
-    """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` in float64.
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
+              softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None):
+    """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` in float64, with optional score
+    modifiers.
 
     The NumPy twin of `cuflash.attention`, used as its test oracle.
 
@@ -160,51 +269,59 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         Validate the offsets (start at 0, never decrease, end at the arrays' lengths), raising
         ValueError at the first bad position. ``check=False`` clamps every offset to
         ``[0, total]`` instead; rows no sequence owns give 0 and lse ``-inf``.
+    softcap : float, optional
+        ``c > 0``: each score ``s = scale * q_i . k_j`` becomes ``c * tanh(s / c)``. None or 0: off.
+    bias : array_like, optional
+        Added to the (softcapped) scores, ``s + bias[..., i, j]``; any real dtype, a shape that
+        broadcasts to ``broadcast(batch dims) + (Nq, Nk)`` without enlarging it. Not with
+        packed sequences.
+    alibi_slopes : float32 ndarray, optional
+        ``a`` per batch entry (a shape that broadcasts to the batch dims, usually ``(H,)``):
+        ``s - a * |i + off - j|``, per sequence when packed.
+    sinks : float32 ndarray, optional
+        A logit ``z`` per batch entry (shape as for ``alibi_slopes``) that joins each row's
+        softmax with a value vector of 0: ``lse = log(exp(z) + sum_j exp(s_j))``.
+    dropout_p : float in [0, 1), optional
+        Each probability is kept iff `dropout_keep` says so (a pure function of ``seed``, the
+        flat batch entry and the row and key positions along axis -2) and scaled by
+        ``1 / (1 - dropout_p)``.
+    seed : int, optional
+        ``0 <= seed < 2**64``; required when ``dropout_p > 0``.
 
     Returns
     -------
     out : ndarray of float64, shape broadcast(batch dims) + (Nq, Dv)
         A query row with no key to attend gives 0.
     lse : ndarray of float64, shape broadcast(batch dims) + (Nq,)
-        Only with ``return_lse=True``: ``log(sum_j exp(scale * q_i . k_j))`` (natural log)
-        over the allowed keys; ``-inf`` for a row with no key to attend.
+        Only with ``return_lse=True``: ``log(sum_j exp(s_j))`` (natural log) of the row's
+        scores over the allowed keys, its sink included; before dropout. ``-inf`` for a row
+        with no key to attend (its sink ``z`` with ``sinks``).
 
     See Also
     --------
     cuflash.attention : the same on the GPU, for CuPy arrays.
     tiled_attention : the same computed block by block, as the GPU kernel does.
     """
-    left, right = normalize_window(causal, window)
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
-    nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
-    if packed is not None:
-        out, lse = _per_sequence(attention, q, k, v, batch, packed, causal=causal, window=window, scale=scale)
-        return (out, lse) if return_lse else out
+    path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
+                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed)
+    if packed is None:
+        out, lse = _forward(q, k, v, path=path)
+    else:
+        out, lse = _per_sequence(functools.partial(_forward, path=path), q, k, v, batch, packed)
+    return (out, lse) if return_lse else out
 
-    if nk == 0:
-        out = np.zeros(batch + (nq, dv))
-        lse = np.full(batch + (nq,), -np.inf)
-        return (out, lse) if return_lse else out
 
-    s = _scores(q, k, batch, scale, left, right)
-    # Stable softmax: subtract the row max; a fully masked row has max -inf and uses 0 instead,
-    # so that all its exp() are exp(-inf) = 0 rather than NaN.
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    has_keys = l > 0
-    out = np.divide(p @ v, l, out=np.zeros(batch + (nq, dv)), where=has_keys)
-    if not return_lse:
-        return out
-    log_l = np.log(l, out=np.full(l.shape, -np.inf), where=has_keys)
-    lse = (m + log_l)[..., 0]
-    return out, lse
+def _forward(q, k, v, q0=0, k0=0, *, path: _ScorePath):
+    """out and lse of one problem whose rows and keys start at q0 and k0 of axis -2."""
+    p, lse, _, drop = _probabilities(q, k, path, q0, k0)
+    return (p if drop is None else p * drop) @ v, lse
 
 
 def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
+                    softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
                     block_m=64, block_n=64):
     """The forward as the GPU kernel computes it, in NumPy float64.
 
@@ -212,19 +329,21 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
 
     1. ``lo, hi = key_range(...)``; key blocks outside ``[lo, hi)`` are never visited.
     2. Walk key blocks of ``block_n`` keys, starting at the block containing ``lo``. Scores are
-       kept in the log2 domain, ``s = (q @ k^T) * scale * log2(e)``; only blocks that touch a
-       band edge or run past ``Nk`` (`block_needs_mask`) get a mask (-inf).
-    3. Online softmax with running row max ``m_i`` and running row sum ``l_i``::
+       kept in the log2 domain, ``s = (scale * q @ k^T) * log2(e)`` (softcap, bias and ALiBi
+       applied before the factor log2(e)); only blocks that touch a band edge or run past ``Nk``
+       (`block_needs_mask`) get a mask (-inf).
+    3. Online softmax with running row max ``m_i`` and running row sum ``l_i``, which start at
+       -inf and 0, or with ``sinks`` at the sink ``z * log2(e)`` and 1 (the sink's own term)::
 
            m_new = max(m_i, rowmax(s))
            alpha = exp2(m_i - m_new)        # 1 unless the max grew
            p     = exp2(s - m_new)
            l_i   = alpha * l_i + rowsum(p)
-           acc   = alpha * acc + p @ v
+           acc   = alpha * acc + (p * M) @ v    # M: dropout's multipliers (1 without)
 
        A row whose max is still -inf subtracts 0 instead of ``m_new``, so no NaN appears.
     4. ``out = acc / l_i`` and ``lse = (m_i + log2(l_i)) * ln(2)``; rows with ``l_i == 0``
-       give 0 and -inf.
+       give 0 and -inf (rows with a sink but no key: 0 and the sink).
 
     Packed sequences (``cu_seqlens_q``, ``cu_seqlens_k``) run this on each sequence in turn, as
     in `attention`.
@@ -232,6 +351,8 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
     Parameters
     ----------
     q, k, v, causal, window, scale, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
+        As in `attention`.
+    softcap, bias, alibi_slopes, sinks, dropout_p, seed
         As in `attention`.
     block_m : int, optional
         Query rows per block.
@@ -248,23 +369,26 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
     --------
     attention : the direct computation this must agree with.
     """
-    left, right = normalize_window(causal, window)
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(b, (bool, np.bool_)) or not isinstance(b, (numbers.Integral, np.integer)) or b < 1:
             raise ValueError(f"{name} must be a positive int, got {b!r}")
-    block_m, block_n = int(block_m), int(block_n)
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
-    if packed is not None:
-        out, lse = _per_sequence(tiled_attention, q, k, v, batch, packed, causal=causal, window=window, scale=scale,
-                                 block_m=block_m, block_n=block_n)
-        return (out, lse) if return_lse else out
+    path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
+                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed)
+    tiled = functools.partial(_tiled, path=path, block_m=int(block_m), block_n=int(block_n))
+    out, lse = tiled(q, k, v) if packed is None else _per_sequence(tiled, q, k, v, batch, packed)
+    return (out, lse) if return_lse else out
 
+
+def _tiled(q, k, v, q0=0, k0=0, *, path: _ScorePath, block_m: int, block_n: int):
+    """out and lse of one problem whose rows and keys start at q0 and k0 of axis -2, block by
+    block (see `tiled_attention`)."""
+    batch, left, right = path.batch, path.left, path.right
     nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     q = np.broadcast_to(q, batch + (nq, d))
     k = np.broadcast_to(k, batch + (nk, d))
     v = np.broadcast_to(v, batch + (nk, dv))
-    scale_log2 = scale * _LOG2E
 
     out = np.zeros(batch + (nq, dv))
     lse = np.full(batch + (nq,), -np.inf)
@@ -273,27 +397,22 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
         row_stop = min(row_start + block_m, nq)
         rows = row_stop - row_start
         q_blk = q[..., row_start:row_stop, :]
-        m_i = np.full(batch + (rows,), -np.inf)
-        l_i = np.zeros(batch + (rows,))
+        # A sink is a key of value 0 seen first: m_i = z * log2(e), l_i = exp2(z * log2(e) - m_i) = 1.
+        m_i = np.full(batch + (rows,), -np.inf) if path.sinks is None else \
+            np.broadcast_to(path.sinks[..., None] * _LOG2E, batch + (rows,))
+        l_i = np.where(m_i == -np.inf, 0.0, 1.0)
         acc = np.zeros(batch + (rows, dv))
 
         lo, hi = key_range(row_start, row_stop, nq, nk, left, right)
         first = (lo // block_n) * block_n if hi > lo else hi
         for col_start in range(first, hi, block_n):
             col_stop = col_start + block_n
-            # Like the kernel, a block always holds block_n keys; those past Nk are padding
-            # (zeros here) that the mask removes.
-            k_blk = np.zeros(batch + (block_n, d))
-            v_blk = np.zeros(batch + (block_n, dv))
-            valid = min(col_stop, nk) - col_start
-            k_blk[..., :valid, :] = k[..., col_start:col_start + valid, :]
-            v_blk[..., :valid, :] = v[..., col_start:col_start + valid, :]
-
-            # s = q k^T * scale * log2(e)   [batch, rows, block_n]
-            s = (q_blk @ np.swapaxes(k_blk, -1, -2)) * scale_log2
-            if block_needs_mask(row_start, row_stop, col_start, col_stop, nq, nk, left, right):
-                mask = block_allowed(row_start, row_stop, col_start, col_stop, nq, nk, left, right)
-                s = np.where(mask, s, -np.inf)
+            # The kernel's last block runs past Nk and masks the keys there; here it stops at Nk.
+            cols = slice(col_start, min(col_stop, nk))
+            needs_mask = block_needs_mask(row_start, row_stop, col_start, col_stop, nq, nk, left, right)
+            # s = scores * log2(e)   [batch, rows, keys], masked only where the block needs it
+            s, _ = _scores(q_blk, k[..., cols, :], path, slice(row_start, row_stop), cols, nq, nk, masked=needs_mask)
+            s = s * _LOG2E
 
             # m_new = max(m_i, rowmax(s)); a row still at -inf subtracts 0 instead.
             m_new = np.maximum(m_i, s.max(axis=-1))
@@ -302,9 +421,10 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
             alpha = np.exp2(m_i - base)
             # p = exp2(s - m_new)
             p = np.exp2(s - base[..., None])
-            # l_i = alpha * l_i + rowsum(p);  acc = alpha * acc + p v
+            # l_i = alpha * l_i + rowsum(p);  acc = alpha * acc + (p M) v: dropout after the sum
             l_i = alpha * l_i + p.sum(axis=-1)
-            acc = alpha[..., None] * acc + p @ v_blk
+            drop = _dropout(path, q0 + np.arange(row_start, row_stop), k0 + np.arange(cols.start, cols.stop))
+            acc = alpha[..., None] * acc + (p if drop is None else p * drop) @ v[..., cols, :]
             m_i = m_new
 
         # out = acc / l_i;  lse = (m_i + log2(l_i)) * ln 2;  rows with l_i == 0 keep 0 / -inf.
@@ -313,7 +433,7 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
         log2_l = np.log2(l_i, out=np.full(l_i.shape, -np.inf), where=has_keys)
         lse[..., row_start:row_stop] = np.where(has_keys, (m_i + log2_l) * _LN2, -np.inf)
 
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,19 +443,24 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       check=True, deterministic=True):
-    """Exact gradients of `attention` with respect to q, k and v, in float64.
+                       check=True, deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None,
+                       dropout_p=0.0, seed=None, bias_grad=False):
+    """Exact gradients of `attention` with respect to q, k and v (and bias and sinks), in float64.
 
     The NumPy twin of `cuflash.attention_backward`. As in FlashAttention, the probabilities
-    are recomputed from q, k and the forward's ``lse``: ``P = exp(scale * q k^T - lse)`` on
-    allowed entries, 0 elsewhere, and then::
+    are recomputed from q, k and the forward's ``lse``: ``P = exp(S - lse)`` on allowed
+    entries, 0 elsewhere, ``S`` the scores after the softcap, bias and ALiBi; with dropout
+    ``Pd = P * M``, ``M`` the kept entries times ``1 / (1 - dropout_p)`` (``Pd = P`` without);
+    and then::
 
-        dv = P^T dout
-        dP = dout v^T
+        dv = Pd^T dout
+        dP = (dout v^T) * M
         D  = rowsum(dout * out)          # equals rowsum(P * dP)
-        dS = P * (dP - D)
-        dq = scale * dS k
-        dk = scale * dS^T q
+        dS = P * (dP - D)                # dbias, summed over the dims bias was broadcast along
+        dS' = dS * (1 - tanh^2(scale q k^T / softcap))   # dS without softcap
+        dq = scale * dS' k
+        dk = scale * dS'^T q
+        dsinks = -sum_i exp(z - lse_i) * D_i
 
     Parameters
     ----------
@@ -349,21 +474,30 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         The forward's logsumexp (``return_lse=True``); ``-inf`` marks a row with no key.
     causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
         As in the forward call that produced ``out`` and ``lse``.
+    softcap, bias, alibi_slopes, sinks, dropout_p, seed
+        As in the forward call (the same seed regenerates the same dropout mask).
     deterministic : bool
         Taken for the GPU function's sake; this one is deterministic either way.
+    bias_grad : bool
+        With ``bias``, also return dbias.
 
     Returns
     -------
     dq, dk, dv : ndarray of float64
         Shapes of ``q``, ``k`` and ``v``. The gradient of an input that was broadcast is summed
         over the broadcast dims. Rows with no key to attend contribute nothing.
+    dbias : ndarray of float64
+        Only with ``bias`` and ``bias_grad=True``: the shape of ``bias``, ``dS`` summed over the
+        dims it was broadcast along.
+    dsinks : ndarray of float64
+        Only with ``sinks``: the shape of ``sinks``, summed over the dims it was broadcast along.
 
     See Also
     --------
     cuflash.attention_backward : the same on the GPU, for CuPy arrays.
     """
     check_flag("deterministic", deterministic)
-    left, right = normalize_window(causal, window)
+    check_flag("bias_grad", bias_grad)
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
     nq, dv_dim = q.shape[-2], v.shape[-1]
     dout = _as_float64("dout", dout)
@@ -371,36 +505,135 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     lse = _as_float64("lse", lse)
     check_backward_arrays(batch, nq, dv_dim, None, dout=(dout.shape, None), out=(out.shape, None), lse=(lse.shape, None))
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
-    if packed is not None:
-        grads = [np.zeros(x.shape) for x in (q, k, v)]
-        for q0, q1, k0, k1 in packed:
-            rows, keys = (..., slice(q0, q1), slice(None)), (..., slice(k0, k1), slice(None))
-            part = attention_backward(
-                dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., q0:q1],
-                causal=causal, window=window, scale=scale,
-            )
-            for g, region, dg in zip(grads, (rows, keys, keys), part):
-                g[region] += dg
-        return tuple(grads)
+    path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
+                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed)
+    if packed is None:
+        packed = [(0, nq, 0, k.shape[-2])]
+    grads = [np.zeros(x.shape) for x in (q, k, v)]
+    ds_all, dsinks = None, np.zeros(batch)
+    for q0, q1, k0, k1 in packed:
+        rows, keys = (..., slice(q0, q1), slice(None)), (..., slice(k0, k1), slice(None))
+        *part, ds, dz = _backward(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., q0:q1], q0, k0, path=path)
+        for g, region, dg in zip(grads, (rows, keys, keys), part):
+            g[region] += sum_to_shape(dg, g[region].shape)
+        ds_all = ds   # bias comes without packing: one problem
+        dsinks += dz
+    if bias is not None and bias_grad:
+        grads.append(sum_to_shape(ds_all, np.shape(bias)))
+    if sinks is not None:
+        grads.append(sum_to_shape(dsinks, np.shape(sinks)))
+    return tuple(grads)
 
-    # P = exp(S - lse) on allowed entries. Disallowed entries have S = -inf and give 0; rows
-    # whose lse is not finite (no key to attend) are zeroed explicitly.
-    s = _scores(q, k, batch, scale, left, right)
-    row_ok = np.isfinite(lse)[..., None]
-    p = np.where(row_ok, np.exp(s - np.where(row_ok, lse[..., None], 0.0)), 0.0)
 
-    dv = np.swapaxes(p, -1, -2) @ dout
+def _backward(dout, q, k, v, out, lse, q0=0, k0=0, *, path: _ScorePath):
+    """dq, dk, dv (broadcast batch shape), dS (batch + (Nq, Nk)) and dsinks (batch shape, summed
+    over rows) of one problem whose rows and keys start at q0 and k0 of axis -2."""
+    p, _, dcap, drop = _probabilities(q, k, path, q0, k0, lse)
+    dv = np.swapaxes(p if drop is None else p * drop, -1, -2) @ dout
     dp = dout @ np.swapaxes(v, -1, -2)
-    delta = np.sum(dout * out, axis=-1, keepdims=True)
-    ds = p * (dp - delta)
-    dq = scale * (ds @ k)
-    dk = scale * (np.swapaxes(ds, -1, -2) @ q)
+    if drop is not None:
+        dp = dp * drop
+    delta = np.sum(dout * out, axis=-1)
+    ds = p * (dp - delta[..., None])
+    dsinks = 0.0
+    if path.sinks is not None:   # p_sink = exp(z - lse), 0 on rows with no lse
+        row_ok = np.isfinite(lse)
+        p_sink = np.where(row_ok, np.exp(path.sinks[..., None] - np.where(row_ok, lse, 0.0)), 0.0)
+        dsinks = -(p_sink * delta).sum(axis=-1)
+    ds_scores = ds if dcap is None else ds * dcap
+    dq = path.scale * (ds_scores @ k)
+    dk = path.scale * (np.swapaxes(ds_scores, -1, -2) @ q)
+    return dq, dk, dv, ds, dsinks
 
-    return (
-        sum_to_shape(dq, q.shape),
-        sum_to_shape(dk, k.shape),
-        sum_to_shape(dv, v.shape),
-    )
+
+# ---------------------------------------------------------------------------------------------
+# Dropout's keep mask
+# ---------------------------------------------------------------------------------------------
+
+_PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))   # Random123's Philox4x32 constants
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_LOW32 = 0xFFFFFFFF
+
+
+def _philox4x32_10(counter, key):
+    """Random123's Philox4x32-10: ``counter`` four arrays of uint32 values (broadcast together),
+    ``key`` two Python ints below 2**32; returns the four output words as uint32 arrays.
+
+    The words are held in uint64 so that each product ``M * c`` of two 32-bit values is exact
+    (its high and low halves are mulhilo's results).
+    """
+    c0, c1, c2, c3 = np.broadcast_arrays(*(np.asarray(c, dtype=np.uint64) for c in counter))
+    k0, k1 = key
+    low, shift = np.uint64(_LOW32), np.uint64(32)
+    for r in range(10):
+        if r:   # the key is bumped before every round but the first
+            k0, k1 = (k0 + _PHILOX_W[0]) & _LOW32, (k1 + _PHILOX_W[1]) & _LOW32
+        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]
+        c0, c1, c2, c3 = (p1 >> shift) ^ c1 ^ np.uint64(k0), p1 & low, (p0 >> shift) ^ c3 ^ np.uint64(k1), p0 & low
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def _dropout_slots(n, i, j):
+    """Where element (n, i, j) finds its 16 random bits (docs/contract.md): the Philox counter
+    (four uint64 arrays of 32-bit values), the output word (0 to 3) and the bit shift (0 or 16).
+    One Philox call covers 8 elements of a 16 x 16 tile (4 words of 2 halves): 32 calls a tile."""
+    n, i, j = (x.astype(np.uint64) for x in np.broadcast_arrays(n, i, j))
+    low = np.uint64(_LOW32)   # 32-bit words, mod 2**32 (which only positions from 2**33 on reach)
+    c0 = ((j // 16) * 4 + (j % 8) // 2) & low
+    c1 = ((i // 16) * 8 + i % 8) & low
+    counter = (c0, c1, n & low, n >> np.uint64(32))
+    word = 2 * ((i // 8) % 2) + (j // 8) % 2
+    return counter, word.astype(np.intp), 16 * (j & np.uint64(1))
+
+
+def _index_array(name: str, x) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be a non-negative int or integer array, got dtype {x.dtype}")
+    if x.dtype.kind == "i" and (x < 0).any():
+        raise ValueError(f"{name} must be non-negative, got {x.min()}")
+    return x
+
+
+def dropout_threshold(dropout_p) -> int:
+    """``floor(dropout_p * 65536)``: an element is dropped iff its 16 random bits are below it."""
+    return math.floor(check_dropout_p(dropout_p) * 65536)
+
+
+def dropout_keep(seed, n, i, j, dropout_p):
+    """Whether dropout keeps the probability of batch entry ``n``, row ``i``, key ``j``.
+
+    The mask of every cuflash function, GPU and reference (docs/contract.md, "Score
+    modifiers"): a pure function of its arguments. ``n`` is the flat index (C order) of the
+    entry of the broadcast batch dims, ``i`` and ``j`` the positions of the row and the key along
+    axis -2 (global positions with packed sequences). With ``key = (seed mod 2**32,
+    seed // 2**32)`` and Philox4x32-10::
+
+        counter = ((j // 16) * 4 + (j % 8) // 2, (i // 16) * 8 + i % 8, n mod 2**32, n // 2**32)
+        word    = philox(counter, key)[2 * ((i // 8) % 2) + (j // 8) % 2]
+        bits    = (word >> (16 * (j % 2))) & 0xFFFF
+        kept    = bits >= floor(dropout_p * 65536)
+
+    Parameters
+    ----------
+    seed : int
+        ``0 <= seed < 2**64`` (may be None when ``dropout_p`` is 0).
+    n, i, j : int or integer array_like
+        Non-negative; broadcast together.
+    dropout_p : float in [0, 1)
+
+    Returns
+    -------
+    ndarray of bool, the broadcast shape of n, i and j.
+    """
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    n, i, j = np.broadcast_arrays(*(_index_array(name, x) for name, x in (("n", n), ("i", i), ("j", j))))
+    if dropout_p == 0:
+        return np.ones(n.shape, dtype=bool)
+    counter, word, shift = _dropout_slots(n, i, j)
+    words = _philox4x32_10(counter, (seed & _LOW32, seed >> 32))
+    bits = (np.choose(word, words).astype(np.uint64) >> shift) & np.uint64(0xFFFF)
+    return bits >= dropout_threshold(dropout_p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +657,8 @@ def _host_cache(name: str, x) -> np.ndarray:
 
 
 def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
-                      causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False):
+                      causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False,
+                      softcap=None, alibi_slopes=None, sinks=None):
     """Attention of a few new query rows per sequence against a KV cache, in float64; the
     NumPy twin of `cuflash.attention_kvcache` (docs/contract.md), whose shape rules it applies
     (`cuflash._checks.kvcache_shapes`): D and Dv whole 16-byte rows of q's dtype up to 256, query
@@ -456,6 +690,10 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
         cache, a negative ``cache_seqlens`` or a page outside the cache. ``check=False`` clamps
         instead: new keys outside the cache are dropped, pages are clamped.
     return_lse : bool
+    softcap, alibi_slopes, sinks
+        As in `attention`, per sequence: ``alibi_slopes`` and ``sinks`` broadcast to q's dims
+        before Nq, ``(B, ...)``, and ALiBi's offset is ``Nk_b - Nq``. A sequence with no key
+        gives out 0 and lse its sink.
 
     Returns
     -------
@@ -463,6 +701,7 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     lse : ndarray, shape (B, ...) + (Nq,), only with ``return_lse=True``
     """
     left, right = normalize_window(causal, window)
+    check_softcap(softcap)
     q_dtype = _host_dtype("q", q)   # the GPU function's rules on head dims are in its rows of this dtype
     q = _as_float64("q", q)
     k_cache, v_cache = _host_cache("k_cache", k_cache), _host_cache("v_cache", v_cache)
@@ -480,6 +719,12 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     _as_host("cache_seqlens", cache_seqlens)
     seqlens = host_cache_seqlens(cache_seqlens, batch, None if block_table is not None else rows)
     lengths, pages = kvcache_lengths(seqlens, n_new, capacity, block_table, shapes.num_pages, rows, bool(check))
+    per_entry = {}   # alibi_slopes and sinks, as float32 arrays of q's dims before Nq
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            x = _per_entry(name, x)
+            check_per_entry(name, x, q.shape[:-2])
+            per_entry[name] = np.broadcast_to(x, q.shape[:-2])
 
     def place(b, j):   # the cache index of key j of sequence b
         return (int(pages[b, j // rows]), j % rows) if pages is not None else (b, j)
@@ -498,7 +743,8 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
             np.zeros(k_cache.shape[1:-2] + (0, k_cache.shape[-1]))
         v = np.stack([v_cache[page, ..., row, :] for page, row in keys], axis=-2) if keys else \
             np.zeros(v_cache.shape[1:-2] + (0, v_cache.shape[-1]))
-        out, lse = attention(q[b], k, v, window=(left, right), scale=scale, return_lse=True)
+        out, lse = attention(q[b], k, v, window=(left, right), scale=scale, return_lse=True, softcap=softcap,
+                             **{name: x[b] for name, x in per_entry.items()})
         outs.append(out)
         lses.append(lse)
     out, lse = np.stack(outs), np.stack(lses)

@@ -24,10 +24,11 @@ def test_kernel_source_has_every_file():
 def test_specializations_cover_every_dtype_and_bucket():
     names = _tiles.all_specializations()
     n_types, n_dims = len(_tiles.ELEMENT_TYPES), len(_tiles.HEAD_DIM_BUCKETS)
-    # per (dtype, head dim, dense or packed): forward, dk/dv, dq; per dtype: delta, the sum of
-    # grouped partials and merge_attention; the tile-list builder; and the KV-cache kernels
+    # per (dtype, head dim, dense or packed, score path): forward, dk/dv, dq; per dtype: delta,
+    # the sum of grouped partials and merge_attention; the tile-list builder; and the KV-cache kernels
     decode = _tiles.decode_specializations()
-    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims + 3) + 1 + len(decode)
+    paths = len(_tiles.SCORE_PATHS)
+    assert len(names) == len(set(names)) == n_types * (2 * 3 * n_dims * paths + 3) + 1 + len(decode)
     for dt, (elem, item) in _tiles.ELEMENT_TYPES.items():
         assert f"cuflash::kvcache_append<{elem}>" in decode
         for hd in _tiles.HEAD_DIM_BUCKETS:
@@ -42,7 +43,9 @@ def test_specializations_cover_every_dtype_and_bucket():
             item = _tiles.ELEMENT_TYPES[dt][1]
             for packed in (False, True):
                 assert _tiles.fwd_tiles(dt, hd, packed).smem_bytes(item) <= 227 * 1024
-                assert _tiles.fwd_name(dt, _tiles.fwd_tiles(dt, hd, packed), packed) in names
+                for scores in _tiles.SCORE_PATHS:
+                    tiles = _tiles.fwd_tiles(dt, hd, packed, scores)
+                    assert _tiles.fwd_name(dt, tiles, packed, scores) in names
             assert _tiles.bwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
 
 
@@ -232,8 +235,8 @@ def test_call_signature_separates_what_the_checks_depend_on():
 def test_pointers_land_in_their_fields():
     record = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
     record[0]["nq"], record[0]["num_n_blocks"] = 77, 5
-    names = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "tiles", "dout", "delta", "dq", "dk",
-             "dv_grad")
+    names = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "tiles", "alibi_slopes", "sinks", "dout",
+             "delta", "dq", "dk", "dv_grad")
     arrays = [_FakeArray((1,), (2,), 4096 * (i + 1)) for i in range(len(names))]
     arrays[6] = None   # a null pointer
     kept = _params.Record(record)
@@ -243,8 +246,8 @@ def test_pointers_land_in_their_fields():
     assert [int(filled[n]) for n in names] == want
     assert filled["nq"] == 77 and filled["num_n_blocks"] == 5 and record[0]["q"] == 0
     fwd = _params.Record(np.zeros(1, dtype=_params.PARAMS_DTYPE))
-    fwd.fill(want[:8])
-    assert [int(fwd.view()[n]) for n in names[:8]] == want[:8]
+    fwd.fill(want[:10])
+    assert [int(fwd.view()[n]) for n in names[:10]] == want[:10]
 
 
 def _group_of(q_shape, k_shape, v_shape=None):

@@ -24,6 +24,7 @@ SCRIPTS = [
     ("bench/bench_attention.py", ["--out", "{tmp}"]),
     ("bench/model_shapes.py", ["--out", "{tmp}"]),
     ("bench/decode.py", ["--out", "{tmp}"]),
+    ("bench/modifiers.py", ["--out", "{tmp}"]),
     ("bench/float32_accuracy.py", []),
     ("bench/host_overhead.py", []),
     ("bench/profile_case.py", []),
@@ -142,6 +143,110 @@ def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
     assert lines[-1].endswith("1.00 / 1.00 / 1.00 (10th percentile / median / 90th)"), lines[-1]
     lines = run_against(script, tmp_path, {"rows": now}, {"rows": eager})
     assert lines[-1].endswith("no Nq = 1 cell timed by graph_ms in both runs"), lines[-1]
+
+
+def modifiers_script():
+    script = ROOT / "bench" / "modifiers.py"
+    if not script.is_file():
+        pytest.skip("bench/modifiers.py is not beside the tests (they run outside a source checkout)")
+    return script
+
+
+def test_modifiers_lists_its_cases_without_gpu():
+    """bench/modifiers.py --help and --list run anywhere: --list prints every case with its
+    providers and planned skips (dropout: no FlexAttention) and the count of rows."""
+    script = modifiers_script()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: modifiers.py "), done.stdout + done.stderr
+    done = subprocess.run([sys.executable, str(script), "--list", "--quick"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "grid bfloat16 (H 16, D 128, B 2, N 4096, causal)"
+    assert any(line.startswith("  dropout0.1 (fwd, bwd): cuflash") and "flex (FlexAttention has no dropout)" in line
+               for line in lines)
+    assert "  bias-table-grad (bwd): cuflash" in [line.split(",")[0].split(";")[0] for line in lines]
+    assert "gemma2-9b bfloat16 (Hq:Hkv 16:8, D 256, B 2, N 8192, causal, window (4095, 0))" in lines
+    # 10 grid cases (two of them backward only) and 3 models x 2 cases, both directions
+    assert lines[-1].startswith("4 shapes, 30 rows, ")
+    done = subprocess.run([sys.executable, str(script), "--list", "--no-models", "--no-flex"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.stdout.splitlines()[-1].startswith("32 shapes, 576 rows, 0 FlexAttention compilations")
+
+
+def test_modifiers_counts_slopes_and_window_flops(monkeypatch):
+    """BLOOM's ALiBi slopes, the pairs a window leaves and the FLOPs of bench/modifiers.py's rows,
+    and model_shapes' FLOPs and grouped views with Dv != D."""
+    import numpy as np
+
+    modifiers_script()
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import model_shapes
+    import modifiers
+
+    assert modifiers.bloom_alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]
+    # 12 heads: the 8 of 8 heads, then every other slope of 16 heads' (transformers' build_alibi_tensor)
+    assert modifiers.bloom_alibi_slopes(12).tolist()[8:] == pytest.approx([2.0 ** -(i / 2) for i in (1, 3, 5, 7)])
+    slopes = modifiers.bloom_alibi_slopes(32)
+    assert len(slopes) == 32 and slopes[0] == pytest.approx(2.0 ** -0.25) and slopes[-1] == pytest.approx(2.0 ** -8)
+    for nq, nk, causal, window in ((7, 7, True, (2, 0)), (5, 9, True, (3, 0)), (6, 6, False, (1, 2)),
+                                   (6, 8, False, (None, 1)), (8, 5, True, (100, 0))):
+        brute = sum(1 for i in range(nq) for j in range(nk)
+                    if (window[0] is None or j >= i + nk - nq - window[0])
+                    and j <= i + nk - nq + (0 if causal else window[1]))
+        assert modifiers.window_pairs(nq, nk, causal, window) == brute, (nq, nk, causal, window)
+    gemma = modifiers.Shape("gemma2-9b", "bfloat16", 2, 16, 8, 8192, 256, True, (4095, 0))
+    pairs = 4096 * 4097 // 2 + 4096 * 4096
+    assert gemma.flops("fwd") == 4 * 2 * 16 * pairs * 256 and gemma.flops("bwd") == 2.5 * gemma.flops("fwd")
+    grid = modifiers.Shape("grid", "float16", 2, 16, 16, 4096, 128, True)
+    assert grid.flops("fwd") == 4 * 2 * 16 * 4096 * 4096 * 128 / 2
+    assert model_shapes.flops(1, 128, 4096, 4096, 192, True, "fwd", dv=128) == 2 * 128 * 4096 * 4096 * 320 / 2
+    assert model_shapes.flops(1, 8, 64, 64, 128, False, "bwd") == 2.5 * 4 * 8 * 64 * 64 * 128
+    # GQA views with Dv != D: dout takes v's head dim
+    sizes = ((1, 8, 16, 192), (1, 2, 16, 192), (1, 2, 16, 128), (1, 8, 16, 128))
+    q, k, v, do = (np.zeros(s, dtype=np.float32) for s in sizes)
+    assert [x.shape for x in model_shapes.grouped(q, k, v, do, 2)] == [(1, 2, 4, 16, 192), (1, 2, 1, 16, 192),
+                                                                      (1, 2, 1, 16, 128), (1, 2, 4, 16, 128)]
+    assert model_shapes.SHAPES["deepseek-v3 (D 192, Dv 128)"] == (1, 128, 128, 4096, 192, True, 128)
+
+
+def test_modifiers_tables_from_saved_runs(tmp_path):
+    """bench/modifiers.py --charts-from: the tables of saved rows, several files merged (a later
+    file's row replaces an earlier one of the same cell); x plain against the cell's "none" row,
+    x flex and x torch-sdpa against the row's own rivals; the skip reasons listed once each."""
+    import json
+
+    script = modifiers_script()
+
+    def row(mod, direction, tflops, skipped=None, **extra):
+        return {"shape": "grid", "dtype": "bfloat16", "B": 2, "Hq": 16, "Hkv": 16, "N": 4096, "D": 128,
+                "causal": True, "window": None, "modifier": mod, "direction": direction, "flops": 1.0,
+                "tflops": tflops, "skipped": skipped or {}, **extra}
+
+    first = [row("none", "fwd", {"cuflash": 400.0, "flex": 200.0}),
+             row("softcap50", "fwd", {"cuflash": 100.0, "flex": 50.0})]
+    second = [row("softcap50", "fwd", {"cuflash": 300.0, "flex": 150.0}),
+              row("bias-table-grad", "bwd", {"torch-sdpa": 50.0}, {"cuflash": "not in this cuflash yet: TypeError: x"},
+                  sdpa_backend="EFFICIENT_ATTENTION"),
+              row("dropout0.1", "fwd", {"cuflash": 360.0, "torch-flash": 300.0},
+                  {"flex": "FlexAttention has no dropout", "torch-cudnn": "RuntimeError: no kernel"})]
+    (tmp_path / "a.json").write_text(json.dumps({"rows": first}))
+    (tmp_path / "b.json").write_text(json.dumps({"rows": second}))
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out"), "--no-charts", "--charts-from",
+                           str(tmp_path / "a.json"), str(tmp_path / "b.json")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "| bfloat16 | 128 | True | 4096 | none | fwd | 400 |  | 200 |  |  |  |  | 2.00 |  |  |  |  |" in lines
+    assert "| bfloat16 | 128 | True | 4096 | softcap50 | fwd | 300 | 400 | 150 |  |  |  | 0.75 | 2.00 |  |  |  |  |" \
+        in lines
+    assert "| bfloat16 | 128 | True | 4096 | dropout0.1 | fwd | 360 | 400 |  |  | 300 |  | 0.90 |  |  | 1.20 |  " \
+           "| flex, torch-cudnn |" in lines
+    assert "- cuflash, bias-table-grad: not in this cuflash yet: TypeError: x (1 rows)" in lines
+    assert "- flex, dropout0.1: FlexAttention has no dropout (1 rows)" in lines
+    assert "torch-sdpa picked EFFICIENT_ATTENTION for bias-table-grad bwd" in lines
 
 
 def test_ab_trees_takes_the_median_over_processes_per_tree():

@@ -46,6 +46,10 @@ struct AttnParams {
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
     const int2* tiles;
+    // Score modifiers (score_path.cuh; null where absent): ALiBi's slope and the sink's logit
+    // of each entry of the broadcast batch, float32, contiguous.
+    const float* alibi_slopes;
+    const float* sinks;
     index_t q_row_stride, k_row_stride, v_row_stride;   // in elements
     index_t nq, nk, d, dv;    // rows of q and k (of all sequences when packed)
     // Row i attends key j iff i + off - window_left <= j <= i + off + window_right,
@@ -56,6 +60,10 @@ struct AttnParams {
     // the rest, for float32's two-part multiply (common.cuh: SPLIT_SCALE). Split on the
     // host: a conversion from double in the kernel is redone in loops short of registers.
     float scale_log2, scale_log2_lo;
+    // softcap c as c / scale and scale / c (0, 0: none); 1 / scale_log2, and 1 / scale, which
+    // brings ALiBi's slopes to raw scores' units (score_path.cuh)
+    float cap, cap_inv;
+    float unscale, slope_unit;
     index_t num_m_blocks;     // query blocks per batch entry
     index_t num_tiles;        // the forward's tiles: blocks of a smaller grid run several in turn
     index_t batch_size;       // entries of the broadcast batch

@@ -271,14 +271,31 @@ struct OnlineSoftmax {
     // APPROX: the hardware's reciprocal and log2 (1 ulp; 2^-22 absolute), a sixth of the
     // instructions of the IEEE forms with their range checks, for 16-bit outputs: a row's sum
     // is then at least 2^-P_SHIFT, a normal float.
-    template <bool APPROX = false, int D_TILES>
+    // SINK: the row's sum also counts exp2(sink2), a logit whose value vector is 0 (-inf: none;
+    // score_path.cuh); a row that saw no key then gets out = 0 and lse = the sink's logit.
+    template <bool APPROX = false, bool SINK = false, int D_TILES>
     __device__ __forceinline__ void finish(float (&acc)[M_TILES][D_TILES][4], float (&lse)[M_TILES][2],
-                                           float scale_log2) {
+                                           float scale_log2, float sink2 = 0.f) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float sum = quad_sum(l[mt][h]);
+                if constexpr (SINK) {
+                    // lse2 = log2(2^c sum + 2^sink2), c the row's base, taken from the larger term
+                    const float c = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT);
+                    const float keys = sum == 0.f ? -CUFLASH_INF : c + log2f(sum);
+                    const float hi = fmaxf(keys, sink2), lo = fminf(keys, sink2);
+                    const float lse2 = hi == -CUFLASH_INF ? hi : hi + log2f(1.f + exp2f(lo - hi));
+                    const float inv = lse2 == -CUFLASH_INF ? 0.f : exp2f(c - lse2);
+                    lse[mt][h] = lse2 * 0.69314718055994530942f;
+#pragma unroll
+                    for (int dt = 0; dt < D_TILES; ++dt) {
+                        acc[mt][dt][2 * h] *= inv;
+                        acc[mt][dt][2 * h + 1] *= inv;
+                    }
+                    continue;
+                }
                 // sum is 0 only for a row that saw no key; a NaN sum (NaN in the inputs) stays NaN
                 const bool none = sum == 0.f;
                 float inv, log2_sum;

@@ -10,46 +10,6 @@
 
 namespace cuflash {
 
-constexpr float LOG2E = 1.4426950408889634f;
-
-// lse in the log2 domain for p = exp2(scaled score - lse2); a row that sees no
-// key (lse = -inf) or lies past nq gets +inf, so its p is 0.
-__device__ __forceinline__ float lse_to_log2(float l) { return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E; }
-__device__ __forceinline__ float lse_log2(const float* lse, int row, int nq) {
-    return lse_to_log2(row < nq ? lse[row] : -CUFLASH_INF);
-}
-
-// p from a raw score, rounded once in the exponent. MASKED: s is -inf where
-// the band excludes the key, and p must be 0 there whatever the scale's sign.
-template <class T, bool MASKED>
-__device__ __forceinline__ float probability(float s, float scale_log2, float lse2) {
-    const float p = exp2_p<T>(fmaf(s, scale_log2, -lse2));
-    return MASKED && s == -CUFLASH_INF ? 0.f : p;
-}
-
-// Scores of a warp's 16 x STEP tile to probabilities. Rows are keys and the
-// lse2 of each query column comes from shared memory (transposed tiles), or
-// rows are queries with their two lse2 values in registers.
-// RAW: the column values are lse as stored (natural log), turned to lse2 here.
-template <class T, bool MASKED, int S_TILES, bool RAW = false>
-__device__ __forceinline__ void probabilities_by_col(float (&s)[1][S_TILES][4], float scale_log2, const float* lse2) {
-    const int t = threadIdx.x % 4;
-#pragma unroll
-    for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float l = lse2[nt * 8 + 2 * t + (e & 1)];
-            s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, RAW ? lse_to_log2(l) : l);
-        }
-}
-template <class T, bool MASKED, int S_TILES>
-__device__ __forceinline__ void probabilities_by_row(float (&s)[1][S_TILES][4], float scale_log2, const float (&lse2)[2]) {
-#pragma unroll
-    for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, lse2[e >> 1]);
-}
-
 template <class T>
 __global__ void __launch_bounds__(128) attn_bwd_delta(const BwdParams p) {
     using Storage = typename T::storage;
@@ -157,7 +117,7 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, const Wor
 // Each warp owns 16 keys and works on transposed score tiles (rows = keys).
 // Two blocks an SM: at head dim 32, left to itself, ptxas aims at three (168 registers) and
 // spills the packed kernel's; the wider head dims need more than 168 anyway.
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS, bool PACKED>
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS, bool PACKED, class Scores>
 __global__ void __launch_bounds__(WARPS * 32, 2)
 attn_bwd_dkdv(const BwdParams p) {
     using Cfg = BwdConfig<T, HEAD_DIM, DCOL, STEP, WARPS>;
@@ -173,7 +133,6 @@ attn_bwd_dkdv(const BwdParams p) {
     const int col0 = blockIdx.y * DCOL;
     const int nq = w.nq, nk = w.nk, d = int(p.d), dv = int(p.dv);
     const int warp_row0 = (threadIdx.x / 32) * 16;
-    const int t = threadIdx.x % 4;
 
     index_t q_off, k_off, v_off;
     p.batch_offsets(p.group_member(w.entry, 0), q_off, k_off, v_off);
@@ -189,6 +148,8 @@ attn_bwd_dkdv(const BwdParams p) {
     float* s_delta = s_lse2 + Cfg::STAGES * STEP;
 
     const Band band(p, w);
+    // (a pass with ALiBi does not group: its query entries are one, each with its slope)
+    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0));
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int mb_begin, mb_end;
     band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
@@ -239,12 +200,7 @@ attn_bwd_dkdv(const BwdParams p) {
         mma_rows_rows<T, RTile, STile, HEAD_DIM, Cfg::K_UNROLL>(st, s_k, warp_row0, q_st);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
-        if (band.cuts(m0, min(m0 + STEP, nq), n0, n_end)) {
-            apply_band<true>(st, band, n0 + warp_row0, m0);
-            probabilities_by_col<T, true>(st, scale_log2, lse2);
-        } else {
-            probabilities_by_col<T, false>(st, scale_log2, lse2);
-        }
+        path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
 
         // dv += p^T dout
         mma_regs_cols<T, STile>(acc_dv, st, do_st, col0);
@@ -255,10 +211,7 @@ attn_bwd_dkdv(const BwdParams p) {
         mma_rows_rows<T, RTile, STile, HEAD_DIM, Cfg::K_UNROLL>(dpt, s_v, warp_row0, do_st);
 
         // ds^T = p^T (dp^T - delta of each query column)
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
+        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0);
 
         // dk += ds^T q (scaled at the end)
         mma_regs_cols<T, STile>(acc_dk, dpt, q_st, col0);
@@ -274,7 +227,7 @@ attn_bwd_dkdv(const BwdParams p) {
 }
 
 // dq for RESIDENT query rows of one sequence of one batch entry, over the key blocks they see.
-template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS, bool PACKED>
+template <class T, int HEAD_DIM, int DCOL, int STEP, int WARPS, bool PACKED, class Scores>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_bwd_dq(const BwdParams p) {
     using Cfg = BwdConfig<T, HEAD_DIM, DCOL, STEP, WARPS>;
@@ -316,6 +269,7 @@ attn_bwd_dq(const BwdParams p) {
     }
 
     const Band band(p, w);
+    const ScorePath<T, Scores> path(p, band, w.entry);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
@@ -353,12 +307,7 @@ attn_bwd_dq(const BwdParams p) {
         float s[1][S_TILES][4];
         fill_zero(s);
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(s, s_q, warp_row0, k_st);
-        if (band.cuts(m0, m_end, n0, n0 + STEP)) {
-            apply_band(s, band, m0 + warp_row0, n0);
-            probabilities_by_row<T, true>(s, scale_log2, lse2);
-        } else {
-            probabilities_by_row<T, false>(s, scale_log2, lse2);
-        }
+        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
 
         // dp = dout v^T
         float dp[1][S_TILES][4];
@@ -366,10 +315,7 @@ attn_bwd_dq(const BwdParams p) {
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(dp, s_do, warp_row0, v_st);
 
         // ds = p (dp - delta); dq += ds k (scaled at the end)
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
+        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0);
         mma_regs_cols<T, STile>(acc_dq, dp, k_st, col0);
         __syncthreads();
     }

@@ -33,55 +33,6 @@ __device__ __forceinline__ void issue_score_products(float (&s)[1][STEP / 8][4],
     wgmma_commit();
 }
 
-// p^T from s^T in place, 0 where masked: rows are keys (the warp's from key_row0 of
-// [n0, n_end)), columns queries of [m0, m_end) with their lse2 from shared memory
-// (RAW: lse as stored).
-template <class T, bool RAW = false, int S_TILES>
-__device__ __forceinline__ void transposed_probabilities(float (&st)[1][S_TILES][4], const Band& band, int m0,
-                                                         int m_end, int n0, int n_end, int key_row0,
-                                                         float scale_log2, const float* lse2) {
-    if (band.cuts(m0, m_end, n0, n_end)) {
-        apply_band<true>(st, band, key_row0, m0);
-        probabilities_by_col<T, true, S_TILES, RAW>(st, scale_log2, lse2);
-    } else {
-        probabilities_by_col<T, false, S_TILES, RAW>(st, scale_log2, lse2);
-    }
-}
-
-// p from s in place, 0 where masked: rows are queries (the warp's from row0 of
-// [m0, m_end), the thread's two lse2 in registers), columns keys of [n0, n_end).
-template <class T, int S_TILES>
-__device__ __forceinline__ void row_probabilities(float (&s)[1][S_TILES][4], const Band& band, int m0, int m_end,
-                                                  int n0, int n_end, int row0, float scale_log2,
-                                                  const float (&lse2)[2]) {
-    if (band.cuts(m0, m_end, n0, n_end)) {
-        apply_band(s, band, row0, n0);
-        probabilities_by_row<T, true>(s, scale_log2, lse2);
-    } else {
-        probabilities_by_row<T, false>(s, scale_log2, lse2);
-    }
-}
-
-// ds = p (dp - delta) in dp's registers. transposed_ds: rows are keys, each query
-// column's delta from shared memory; row_ds: rows are queries, the thread's two deltas.
-template <int S_TILES>
-__device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
-                                              const float* delta) {
-    const int t = threadIdx.x % 4;
-#pragma unroll
-    for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[0][nt][e] = pt[0][nt][e] * (dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)]);
-}
-template <int S_TILES>
-__device__ __forceinline__ void row_ds(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4],
-                                       const float (&delta)[2]) {
-#pragma unroll
-    for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - delta[e >> 1]);
-}
-
 // lse and delta of each step's query rows for the dk/dv passes, one row per
 // thread below STEP, filled into a stage's buffers together with its Q and dO
 // tiles. PREFETCH (Sm90BwdConfig::PREFETCH_ROW_STATS): a step's values are
@@ -129,7 +80,7 @@ struct QueryRowStats {
     }
 };
 
-template <class T, int HEAD_DIM, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
+template <class T, int HEAD_DIM, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED, class Scores>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dkdv_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
@@ -163,6 +114,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     float* s_delta = s_lse2 + STAGES * STEP;
 
     const Band band(p, w);
+    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0));   // (ALiBi's passes do not group)
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
@@ -235,7 +187,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(st);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
-        transposed_probabilities<T>(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
+        path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
 
         if (!Cfg::OVERLAP) {
             // dv += p^T dout, running while ds^T is formed
@@ -250,7 +202,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(dpt);
 
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
-        transposed_ds(dpt, st, delta);
+        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0);
         if (Cfg::OVERLAP) {
             wgmma_wait<0>();   // the previous step's products: pa and dsa are free
             pin_registers(acc_dv);
@@ -291,7 +243,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 // forms p^T and accumulates dv, warpgroup 1 forms dp^T and accumulates dk, with
 // p^T passed through shared memory. Four products per step, as in
 // attn_bwd_dkdv_sm90, where a column split would recompute both score products.
-template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
+template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED, class Scores>
 __global__ void __launch_bounds__(256, 1)
 attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, 1, STAGES>;
@@ -328,6 +280,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
     float* s_exchange = s_delta + STAGES * STEP;
 
     const Band band(p, w);
+    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0));   // (ALiBi's passes do not group)
     const int n_end = min(n0 + 64, nk);
     const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
@@ -382,7 +335,7 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
         if (group == 0) {
             // p^T, 0 where masked; shared with warpgroup 1 element by element
             const float* lse2 = s_lse2 + stage * STEP;
-            transposed_probabilities<T>(s, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
+            path.transposed_probabilities(s, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
@@ -392,18 +345,23 @@ attn_bwd_dkdv_wide_sm90(const BwdParams p) {
             // ds^T = p^T (dp^T - delta of each query column). The deltas are read before the
             // named barrier: ordered by the step barrier alone, as warp 0's refill of the stage
             // is, rather than by both (compute-sanitizer's racecheck reported the pair otherwise).
+            // (the lse2 too, where softcap's factor wants them)
             const float* delta = s_delta + stage * STEP;
-            float column_delta[S_TILES][2];
+            const float* lse2 = s_lse2 + stage * STEP;
+            float column_delta[1][S_TILES][4], column_lse2[1][S_TILES][4], pt[1][S_TILES][4];
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) column_delta[nt][h] = delta[nt * 8 + 2 * t + h];
+                for (int e = 0; e < 4; ++e) {
+                    column_delta[0][nt][e] = delta[nt * 8 + 2 * t + (e & 1)];
+                    column_lse2[0][nt][e] = path.capped() ? lse2[nt * 8 + 2 * t + (e & 1)] : 0.f;
+                }
             named_barrier_sync<1, THREADS>();
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[0][nt][e] = s_exchange[(nt * 4 + e) * 128 + rank] * (s[0][nt][e] - column_delta[nt][e & 1]);
+                for (int e = 0; e < 4; ++e) pt[0][nt][e] = s_exchange[(nt * 4 + e) * 128 + rank];
+            path.transposed_ds(s, pt, column_delta, column_lse2, n0 + warp_row0, m0);
         }
 
         // warpgroup 0: dv += p^T dout; warpgroup 1: dk += ds^T q (scaled at the end)
@@ -453,7 +411,7 @@ __device__ __forceinline__ void row_deltas(const BwdParams& p, index_t flat_row0
     }
 }
 
-template <class T, int HEAD_DIM, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED>
+template <class T, int HEAD_DIM, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED, class Scores>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dq_sm90(const BwdParams p) {
     using Cfg = Sm90BwdConfig<T, HEAD_DIM, STEP, WARPGROUPS, STAGES>;
@@ -485,6 +443,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
     const u32 s_v = s_k + STAGES * STEP_BYTES;
 
     const Band band(p, w);
+    const ScorePath<T, Scores> path(p, band, w.entry);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
@@ -550,12 +509,12 @@ attn_bwd_dq_sm90(const BwdParams p) {
         pin_registers(s);
 
         // p = exp2(s * scale_log2 - lse2), while dp finishes
-        row_probabilities<T>(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
+        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
         wgmma_wait<Cfg::OVERLAP ? 1 : 0>();
         pin_registers(dp);
 
         // ds = p (dp - delta); dq += ds k (scaled at the end)
-        row_ds(dp, s, delta);
+        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0);
         if (Cfg::OVERLAP) {
             wgmma_wait<0>();   // the previous step's dq product: dsa is free
             pin_registers(acc_dq);

@@ -159,7 +159,7 @@ __device__ __forceinline__ void add_dq_chunk(float* g, u32 chunk, const float (&
 // and scale_dq_sums after. (The other warpgroup writes its tile of parity j % 2 again at
 // step j + 2, having waited at step j + 1's barrier, where the reader of step j arrives
 // after its product.)
-template <class T, int HEAD_DIM, int STAGES, bool PACKED, bool ADDS_DQ>
+template <class T, int HEAD_DIM, int STAGES, bool PACKED, bool ADDS_DQ, class Scores>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, 64, STAGES, true, ADDS_DQ>;
@@ -178,6 +178,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
     buf.ring.init();   // resident_full: K and V landed
 
     const Band band(p, w);
+    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0));   // (ALiBi's passes do not group)
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
@@ -212,8 +213,8 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         pin_registers(st);
 
         // p^T, 0 where masked; dv += p^T dout, running while ds^T is formed
-        transposed_probabilities<T, true>(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2,
-                                          stage.lse);
+        path.template transposed_probabilities<true>(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0,
+                                                     scale_log2, stage.lse);
         u32 pa[S_TILES / 2][4], dsa[S_TILES / 2][4];
         to_a_fragments<T>(pa, st);
         pin_registers(acc_dv);
@@ -225,7 +226,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
         pin_registers(dpt);
 
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
-        transposed_ds(dpt, st, stage.delta);
+        path.template transposed_ds<true>(dpt, st, stage.delta, stage.lse, n0 + warp_row0, m0);
         to_a_fragments<T>(dsa, dpt);
         const u32 ds_tiles = buf.ds + u32(2 * (j & 1)) * Cfg::DsTile::BYTES;   // (ADDS_DQ) step j's two
         const bool forms_dq = ADDS_DQ && (j & 1) == consumer;
@@ -272,7 +273,7 @@ attn_bwd_dkdv_sm90_ws(const BwdParams p) {
 // dq for 128 queries of one sequence of one batch entry, over the key blocks of STEP
 // that they see: Q and dO resident, K and V streaming. As attn_bwd_dq_sm90, it also
 // computes delta = rowsum(dout * out) of its rows and stores it for the dk/dv pass.
-template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED>
+template <class T, int HEAD_DIM, int STEP, int STAGES, bool PACKED, class Scores>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dq_sm90_ws(const BwdParams p) {
     using Cfg = Sm90WsBwdConfig<T, HEAD_DIM, 128, STEP, STAGES, false>;
@@ -299,6 +300,7 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
     ring.init();   // resident_full: Q and dO landed
 
     const Band band(p, w);
+    const ScorePath<T, Scores> path(p, band, w.entry);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
@@ -365,12 +367,12 @@ attn_bwd_dq_sm90_ws(const BwdParams p) {
         pin_registers(s);
 
         // p = exp2(s * scale_log2 - lse2), while dp finishes
-        row_probabilities<T>(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
+        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
         wgmma_wait<0>();
         pin_registers(dp);
 
         // ds = p (dp - delta); dq += ds k (scaled at the end)
-        row_ds(dp, s, delta);
+        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0);
         u32 dsa[S_TILES / 2][4];
         to_a_fragments<T>(dsa, dp);
         pin_registers(acc_dq);

@@ -67,7 +67,7 @@ __device__ __forceinline__ void store_output(const AttnParams& p, const Work& w,
     }
 }
 
-template <class T, int HEAD_DIM, int DV_BLOCK, int BLOCK_M, int BLOCK_N, int WARPS, bool PACKED>
+template <class T, int HEAD_DIM, int DV_BLOCK, int BLOCK_M, int BLOCK_N, int WARPS, bool PACKED, class Scores>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd(const AttnParams p) {
     using Cfg = FwdConfig<T, HEAD_DIM, DV_BLOCK, BLOCK_M, BLOCK_N, WARPS>;
@@ -98,6 +98,7 @@ attn_fwd(const AttnParams p) {
     const u32 s_v = s_k + Cfg::STAGES * KTile::BYTES;       // + stage * VTile::BYTES
 
     const Band band(p, w);
+    const ScorePath<T, Scores> path(p, band, w.entry);
     const int m_end = min(m0 + BLOCK_M, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
@@ -135,10 +136,11 @@ attn_fwd(const AttnParams p) {
         typename T::dot_sum s[M_TILES][N_TILES][4];
         fill_zero(s);
         mma_rows_rows<T, QTile, KTile, HEAD_DIM, Cfg::QK_UNROLL>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
+        const int n0 = nb * BLOCK_N;
+        path.modify(s, m0 + warp_row0, n0);
 
         // p = exp2((s - m) * scale_log2 - P_SHIFT), with m, l and acc brought up to date;
         // only blocks that cross the band's edge are masked
-        const int n0 = nb * BLOCK_N;
         if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) {
             apply_band(s, band, m0 + warp_row0, n0);
             softmax.template update<true>(s, acc, scale_log2);
@@ -152,7 +154,7 @@ attn_fwd(const AttnParams p) {
     }
 
     float lse[M_TILES][2];
-    softmax.finish(acc, lse, scale_log2);
+    softmax.template finish<false, Scores::MODIFIED>(acc, lse, scale_log2, path.sink2());
     store_output<T>(p, w, m0, nq, col0, warp_row0, acc, lse);
 }
 

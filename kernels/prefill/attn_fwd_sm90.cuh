@@ -53,7 +53,7 @@ struct FwdTile {
     }
 };
 
-template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool PACKED>
+template <class T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool PACKED, class Scores>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_fwd_sm90(const AttnParams p) {
     using Cfg = Sm90FwdConfig<T, HEAD_DIM, BLOCK_N, WARPGROUPS>;
@@ -76,6 +76,7 @@ attn_fwd_sm90(const AttnParams p) {
     Work work;
     if (!p.template find_work<PACKED, true, LEAN>(u32(p.num_m_blocks), true, work)) return;
     const Tile tile(p, work);
+    const ScorePath<T, Scores> path(p, tile.band, work.entry);
     const int d = int(p.d), dv = int(p.dv);
     const int group_row0 = (threadIdx.x / 128) * 64;                 // this warpgroup's rows
     const int warp_row0 = group_row0 + (threadIdx.x / 32 % 4) * 16;  // this warp's rows
@@ -149,6 +150,7 @@ attn_fwd_sm90(const AttnParams p) {
         // edge are masked.
         float alpha[1][2];
         const int n0 = nb * BLOCK_N;
+        path.modify(s, tile.m0 + warp_row0, n0);
         // (Head dim 256 keeps the checked form: LEAN above.)
         if (tile.band.cuts(tile.m0, tile.m_end, n0, n0 + BLOCK_N)) {
             if constexpr (LEAN) {
@@ -181,7 +183,7 @@ attn_fwd_sm90(const AttnParams p) {
         pin_registers(acc);
     }
     float lse[1][2];
-    softmax.template finish<LEAN>(acc, lse, scale_log2);
+    softmax.template finish<LEAN, Scores::MODIFIED>(acc, lse, scale_log2, path.sink2());
     store_output<T, LEAN>(p, tile.w, tile.m0, tile.w.nq, 0, warp_row0, acc, lse);
 }
 

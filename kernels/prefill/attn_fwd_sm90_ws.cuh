@@ -92,7 +92,8 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32
 
 enum class Source { Q, K, V };   // what a loader's copy brings
 
-template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, int CONSUMERS, bool PACKED, bool TMA>
+template <class T, int HEAD_DIM, int BLOCK_N, int STAGES, int Q_BUFFERS, int CONSUMERS, bool PACKED, bool TMA,
+          class Scores>
 __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
@@ -233,6 +234,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         Work w;
         if (index >= num_tiles || !p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
         const Tile t(p, w);
+        const ScorePath<T, Scores> path(p, t.band, w.entry);
         fill_zero(acc);
         OnlineSoftmax<T, 1, Cfg::SOFTMAX_CHAINS> softmax(p.scale_log2_lo);
         const int steps = t.nb_end - t.nb_begin;
@@ -262,6 +264,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
 
                 float alpha[1][2];
                 const int n0 = (t.nb_begin + i) * BLOCK_N;
+                path.modify(s, t.m0 + warp_row0, n0);
                 const bool cut = t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N);
                 if (cut) apply_band_rows(s, t.band, t.m_end, t.m0 + warp_row0, n0);
                 if (cut && !vanish) {
@@ -287,7 +290,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
             kv_uses += u32(steps);
         }
         float lse[1][2];
-        softmax.template finish<true>(acc, lse, scale_log2);
+        softmax.template finish<true, Scores::MODIFIED>(acc, lse, scale_log2, path.sink2());
         store_output<T, true>(p, t.w, t.m0, t.m_end, 0, warp_row0, acc, lse);
     }
 }

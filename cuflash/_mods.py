@@ -1,0 +1,63 @@
+"""The score modifiers of a GPU call (softcap, ALiBi slopes, sinks): checked, and laid out
+as the kernels read them (kernels/attention/score_path.cuh)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _checks
+
+
+@dataclass(frozen=True)
+class ScoreMods:
+    """A call's modifiers as its plan keeps them: the cap's value, and whether slopes and
+    sinks are given (their values are read per call: `per_entry`)."""
+
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether the call runs the kernels' modified score path."""
+        return bool(self.softcap) or self.alibi or self.sinks
+
+
+NONE = ScoreMods()
+
+
+def key(softcap, alibi_slopes, sinks):
+    """The modifiers' part of a plan's signature (None: no modifier)."""
+    if softcap is None and alibi_slopes is None and sinks is None:
+        return None
+    arrays = tuple(None if a is None else (type(a), a.dtype, a.shape, a.strides, a.data.device_id)
+                   for a in (alibi_slopes, sinks))
+    return (type(softcap), softcap) + arrays
+
+
+def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int) -> ScoreMods:
+    """Checks the modifiers against the call's broadcast batch dims; raises naming the argument."""
+    cap = _checks.check_softcap(softcap)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            _checks.check_cupy(cupy, **{name: x})
+            _checks.check_per_entry(name, x, batch_shape)
+            if x.device.id != device:
+                raise ValueError(f"{name} is on device {x.device.id}, but q is on device {device}")
+    return ScoreMods(cap, alibi_slopes is not None, sinks is not None)
+
+
+def per_entry(cupy, x, batch_shape):
+    """Slopes or sinks as the kernels read them: one float32 per entry of the broadcast batch,
+    contiguous (None stays None)."""
+    if x is None:
+        return None
+    return cupy.ascontiguousarray(cupy.broadcast_to(x, tuple(batch_shape)))
+
+
+def dsinks(cupy, sinks, lse, delta, batch_shape):
+    """The gradient of the sinks: -sum over each row of exp(z - lse) * rowsum(dout * out),
+    summed over the dims the sinks were broadcast along (float32, the order fixed)."""
+    z = per_entry(cupy, sinks, batch_shape)
+    rows = -(cupy.exp(z[..., None] - lse) * delta).sum(axis=-1)
+    return _checks.sum_to_shape(rows, sinks.shape).astype(cupy.float32)

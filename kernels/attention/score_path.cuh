@@ -1,0 +1,249 @@
+// score_path.cuh: the one step from a raw score q.k to its probability, forward and
+// backward, with the score modifiers. Every kernel takes it from here; mask.cuh alone says
+// which keys a row sees.
+//
+// Modified scores stay in raw units, s' = mod(scale s) / scale, so the softmax's scale_log2
+// applies to them as to plain scores (its negative-scale and large-logit forms unchanged):
+//   softcap c:  s' = (c / scale) tanh(s scale / c)     (AttnParams: cap = c / scale, cap_inv = scale / c)
+//   ALiBi a:    s' = s' - (a / scale) |i + off - j|    (AttnParams: slope_unit = 1 / scale)
+// A sink z enters the forward's row sums (OnlineSoftmax::finish), so lse counts it and the
+// backward's p = exp2(s' scale_log2 - lse2) holds as it is; dsinks is a row sum the host takes.
+// The backward's ds is taken with respect to the raw score: softcap's factor 1 - tanh^2
+// comes from p itself (scale s' = ln p + lse), so no second copy of the scores is kept.
+#pragma once
+
+namespace cuflash {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// The score paths, a kernel's template argument: plain scores compile to exactly the
+// kernels without modifiers.
+struct PlainScores {
+    static constexpr bool MODIFIED = false;
+};
+struct ModifiedScores {
+    static constexpr bool MODIFIED = true;
+};
+
+// lse in the log2 domain for p = exp2(scaled score - lse2); a row that sees no
+// key (lse = -inf) or lies past nq gets +inf, so its p is 0.
+__device__ __forceinline__ float lse_to_log2(float l) { return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E; }
+__device__ __forceinline__ float lse_log2(const float* lse, int row, int nq) {
+    return lse_to_log2(row < nq ? lse[row] : -CUFLASH_INF);
+}
+
+// p from a raw score, rounded once in the exponent. MASKED: s is -inf where
+// the band excludes the key, and p must be 0 there whatever the scale's sign.
+template <class T, bool MASKED>
+__device__ __forceinline__ float probability(float s, float scale_log2, float lse2) {
+    const float p = exp2_p<T>(fmaf(s, scale_log2, -lse2));
+    return MASKED && s == -CUFLASH_INF ? 0.f : p;
+}
+
+// tanh and log2: the hardware's one-instruction forms for 16-bit inputs (2^-11 relative,
+// below the inputs' rounding), the library's for float32 inputs.
+template <class T>
+__device__ __forceinline__ float tanh_of(float x) {
+    if constexpr (T::SPLIT_SCALE) {
+        return tanhf(x);
+    } else {
+        float y;
+        asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+        return y;
+    }
+}
+template <class T>
+__device__ __forceinline__ float log2_of(float x) {
+    if constexpr (T::SPLIT_SCALE) {
+        return log2f(x);
+    } else {
+        float y;
+        asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+        return y;
+    }
+}
+
+// The parameters it reads stay in the constant bank (read at each use); it holds only the
+// row's ALiBi slope and the band's offset in registers.
+template <class T, class Scores>
+struct ScorePath {
+    static constexpr bool MODIFIED = Scores::MODIFIED;
+    const AttnParams& p;
+    u32 entry = 0;
+    float slope = 0.f;   // ALiBi's slope in raw units (AttnParams: slope_unit); 0: none
+    int off = 0;
+
+    // The path of query batch entry `entry` (the flat index of the broadcast batch).
+    __device__ __forceinline__ ScorePath(const AttnParams& p, const Band& band, u32 entry) : p(p) {
+        if constexpr (MODIFIED) {
+            this->entry = entry;
+            slope = p.alibi_slopes ? p.alibi_slopes[entry] * p.slope_unit : 0.f;
+            off = band.off;
+        }
+    }
+
+    // The sink's logit * log2(e) for OnlineSoftmax::finish; -inf: none.
+    __device__ __forceinline__ float sink2() const {
+        return MODIFIED && p.sinks ? p.sinks[entry] * LOG2E : -CUFLASH_INF;
+    }
+
+    __device__ __forceinline__ bool capped() const { return MODIFIED && p.cap != 0.f; }
+
+    // Raw scores to the scores the softmax sees, in place (before the mask). Fragments as
+    // in apply_band: row0/col0 locate the warp's first element; KEYS_IN_ROWS: transposed.
+    template <bool KEYS_IN_ROWS = false, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        if constexpr (MODIFIED) {
+            if (capped()) {
+                modify_all<KEYS_IN_ROWS, true>(s, row0, col0);
+            } else {
+                modify_all<KEYS_IN_ROWS, false>(s, row0, col0);
+            }
+        }
+    }
+
+    template <bool KEYS_IN_ROWS, bool CAP, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void modify_all(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + mt * 16 + g + 8 * (e >> 1);
+                    const int col = col0 + nt * 8 + 2 * t + (e & 1);
+                    float x = float(s[mt][nt][e]);
+                    if (CAP) x = p.cap * tanh_of<T>(x * p.cap_inv);
+                    s[mt][nt][e] = Score(fmaf(-slope, distance<KEYS_IN_ROWS>(row, col), x));
+                }
+    }
+
+    // |i + off - j| of query i and key j, for fragment coordinates (row, col)
+    template <bool KEYS_IN_ROWS>
+    __device__ __forceinline__ float distance(int row, int col) const {
+        return float(KEYS_IN_ROWS ? abs(col + off - row) : abs(row + off - col));
+    }
+
+    // p times the derivative of the modified score by the raw one (CAP: 1 - tanh^2, with
+    // tanh from p: scale s' = ln p + lse, plus ALiBi's term back); 0 where p is.
+    template <bool KEYS_IN_ROWS, bool CAP>
+    __device__ __forceinline__ float chained(float prob, float lse2, int row, int col) const {
+        if constexpr (!CAP) {
+            return prob;
+        } else {
+            const float capped_score = fmaf(fmaxf(log2_of<T>(prob), -150.f) + lse2, p.unscale,
+                                            slope * distance<KEYS_IN_ROWS>(row, col));
+            const float th = capped_score * p.cap_inv;
+            return prob > 0.f ? prob * fmaf(-th, th, 1.f) : 0.f;
+        }
+    }
+
+    // p^T from s^T in place, 0 where masked: rows are keys (the warp's from key_row0 of
+    // [n0, n_end)), columns queries of [m0, m_end) with their lse2 from shared memory
+    // (RAW: lse as stored).
+    template <bool RAW = false, int S_TILES>
+    __device__ __forceinline__ void transposed_probabilities(float (&st)[1][S_TILES][4], const Band& band, int m0,
+                                                             int m_end, int n0, int n_end, int key_row0,
+                                                             float scale_log2, const float* lse2) const {
+        modify<true>(st, key_row0, m0);
+        if (band.cuts(m0, m_end, n0, n_end)) {
+            apply_band<true>(st, band, key_row0, m0);
+            by_col<true, RAW>(st, scale_log2, lse2);
+        } else {
+            by_col<false, RAW>(st, scale_log2, lse2);
+        }
+    }
+
+    // p from s in place, 0 where masked: rows are queries (the warp's from row0 of
+    // [m0, m_end), the thread's two lse2 in registers), columns keys of [n0, n_end).
+    template <int S_TILES>
+    __device__ __forceinline__ void row_probabilities(float (&s)[1][S_TILES][4], const Band& band, int m0, int m_end,
+                                                      int n0, int n_end, int row0, float scale_log2,
+                                                      const float (&lse2)[2]) const {
+        modify(s, row0, n0);
+        if (band.cuts(m0, m_end, n0, n_end)) {
+            apply_band(s, band, row0, n0);
+            by_row<true>(s, scale_log2, lse2);
+        } else {
+            by_row<false>(s, scale_log2, lse2);
+        }
+    }
+
+    template <bool MASKED, bool RAW, int S_TILES>
+    __device__ __forceinline__ static void by_col(float (&s)[1][S_TILES][4], float scale_log2, const float* lse2) {
+        const int t = threadIdx.x % 4;
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float l = lse2[nt * 8 + 2 * t + (e & 1)];
+                s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, RAW ? lse_to_log2(l) : l);
+            }
+    }
+    template <bool MASKED, int S_TILES>
+    __device__ __forceinline__ static void by_row(float (&s)[1][S_TILES][4], float scale_log2, const float (&lse2)[2]) {
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][nt][e] = probability<T, MASKED>(s[0][nt][e], scale_log2, lse2[e >> 1]);
+    }
+
+    // ds = p' (dp - delta) in dp's registers, p' = chained(p). transposed_ds: rows are keys
+    // from key_row0, each query column's delta and lse2 (RAW: lse) from shared memory (or
+    // taken from there per fragment element), from m0; row_ds: rows are queries from row0,
+    // the thread's two deltas and lse2, keys from n0.
+    template <bool RAW = false, int S_TILES>
+    __device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
+                                                  const float* delta, const float* lse2, int key_row0, int m0) const {
+        const int t = threadIdx.x % 4;
+        ds_by<true, RAW>(dpt, pt, [&](int nt, int e) { return delta[nt * 8 + 2 * t + (e & 1)]; },
+                         [&](int nt, int e) { return lse2[nt * 8 + 2 * t + (e & 1)]; }, key_row0, m0);
+    }
+    template <int S_TILES>
+    __device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
+                                                  const float (&delta)[1][S_TILES][4],
+                                                  const float (&lse2)[1][S_TILES][4], int key_row0, int m0) const {
+        ds_by<true, false>(dpt, pt, [&](int nt, int e) { return delta[0][nt][e]; },
+                           [&](int nt, int e) { return lse2[0][nt][e]; }, key_row0, m0);
+    }
+    template <int S_TILES>
+    __device__ __forceinline__ void row_ds(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4],
+                                           const float (&delta)[2], const float (&lse2)[2], int row0, int n0) const {
+        ds_by<false, false>(dp, p, [&](int, int e) { return delta[e >> 1]; }, [&](int, int e) { return lse2[e >> 1]; },
+                            row0, n0);
+    }
+
+    template <bool KEYS_IN_ROWS, bool RAW, int S_TILES, class Delta, class Lse2>
+    __device__ __forceinline__ void ds_by(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4], Delta delta,
+                                          Lse2 lse2, int row0, int col0) const {
+        if (capped()) {
+            // (row0 through an opaque move: ALiBi's distances are then recomputed here, where
+            // the compiler would rather keep modify()'s through the products, in registers)
+            int row0_here;
+            asm("mov.b32 %0, %1;" : "=r"(row0_here) : "r"(row0));
+            each(dp, row0_here, col0, [&](int nt, int e, int row, int col) {
+                const float l = lse2(nt, e);
+                return chained<KEYS_IN_ROWS, true>(p[0][nt][e], RAW ? lse_to_log2(l) : l, row, col) *
+                       (dp[0][nt][e] - delta(nt, e));
+            });
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - delta(nt, e));
+        }
+    }
+
+    // x[nt][e] = f(nt, e, row, col) over a warp's 16 x 8 S_TILES fragments
+    template <int S_TILES, class F>
+    __device__ __forceinline__ static void each(float (&x)[1][S_TILES][4], int row0, int col0, F f) {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[0][nt][e] = f(nt, e, row0 + g + 8 * (e >> 1), col0 + nt * 8 + 2 * t + (e & 1));
+    }
+};
+
+}  // namespace cuflash
