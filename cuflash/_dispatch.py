@@ -166,7 +166,8 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     itemsize = ELEMENT_TYPES[x.dtype_name][1]
     width = max(x.d, x.dv)
     queries = x.nq / x.packed.num_seqs if x.packed and x.packed.num_seqs else x.nq   # per sequence (the mean)
-    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, deterministic or not _dq_in_any_order(x), score_path(x))
+    in_order = deterministic or not _dq_in_any_order(x)
+    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, in_order, score_path(x), x.packed is not None)
             if _compile.current_arch() == "sm_90a" else None)
     if sm90 is not None:
         dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None, score_path(x))

@@ -382,7 +382,7 @@ SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 
 
 def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_MIN_QUERIES_D64,
-                   deterministic: bool = True, scores: str = PLAIN) -> Sm90BwdTiles | None:
+                   deterministic: bool = True, scores: str = PLAIN, packed: bool = False) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
     None (as sm90_fwd_tiles), by measurement (docs/design.md, "Backward").
 
@@ -393,8 +393,9 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
     fewer and longer blocks lose, and the dq pass on one gains nothing). Not deterministic:
     from 2048 query rows at head dims 64 and 128, the dk/dv pass on a loading warpgroup adds
     dq up too (no dq pass); elsewhere the same tiles. The modified scores' kernels (``scores``)
-    step over 64 keys in the dq pass at 64 and run dk/dv without a loading warpgroup at 128
-    (the others spilled 8-24 bytes beside softcap's gradient)."""
+    step over 64 keys in the dq pass at 64 and run dk/dv without a loading warpgroup at 128,
+    over 32 keys a step with packed sequences (the others spilled 4-24 bytes beside softcap's
+    gradient)."""
     modified = scores == MODIFIED
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
@@ -412,7 +413,7 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
     # and gain nothing on a loading warpgroup; adding dq up, a third does not fit beside the
     # dq chunks); at head dim 128 the dq pass over 128 keys a step
     on_loader = not (modified and head_dim == 128)
-    return Sm90BwdTiles(head_dim, step=64, warpgroups=2, stages=2, dkdv_ws_stages=2 if on_loader else 0,
+    return Sm90BwdTiles(head_dim, step=32 if packed and not on_loader else 64, warpgroups=2, stages=2, dkdv_ws_stages=2 if on_loader else 0,
                         dq_ws_stages=2, dq_step=128 if head_dim == 128 else 0, dkdv_adds_dq=adds_dq and on_loader)
 
 
@@ -458,7 +459,7 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
             # (dq added up in any order: dense calls only, _dispatch._dq_in_any_order)
             for queries, deterministic in ((1, True), (SM90_WS_BWD_MIN_QUERIES_D64, True),
                                            (SM90_WS_BWD_MIN_QUERIES_D64, packed)):
-                tiles = sm90_bwd_tiles(dt, hd, queries, deterministic, scores)
+                tiles = sm90_bwd_tiles(dt, hd, queries, deterministic, scores, packed)
                 bwd = sm90_bwd_names(dt, tiles, packed, scores)
                 if tiles.dkdv_adds_dq:   # then delta runs first, and the sums are scaled and rounded
                     bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt, hd))

@@ -190,8 +190,8 @@ def test_dq_added_up_by_the_dkdv_pass(monkeypatch, dtype, d, q_shape, k_shape, m
     if _compile.current_arch() != "sm_90a":
         pytest.skip("the dk/dv pass that adds dq up is Hopper's (sm_90a)")
     tiles_of = _dispatch.sm90_bwd_tiles
-    monkeypatch.setattr(_dispatch, "sm90_bwd_tiles", lambda dt, hd, queries, deterministic: tiles_of(
-        dt, hd, 4096, deterministic))
+    monkeypatch.setattr(_dispatch, "sm90_bwd_tiles", lambda dt, hd, queries, deterministic, *rest: tiles_of(
+        dt, hd, 4096, deterministic, *rest))
     _plans.clear()
     try:
         rng = np.random.default_rng(len(q_shape) + 3 * len(mask) + q_shape[-1] + d)

@@ -9,7 +9,8 @@
 # disk cache: compiling under the sanitizer is slow. Prints one line per tool (tool, exit
 # status, its ERROR SUMMARY line, or racecheck's RACECHECK SUMMARY) and exits 1 if any tool failed.
 #
-# Environment: PYTHON (default python3); SANITIZE_TOOLS (default all four);
+# Environment: PYTHON (default python3); SANITIZE_TOOLS (default all four); SANITIZE_CASES,
+# the groups of tools/sanitize_cases.py to run (default all: plain kvcache modifiers);
 # SANITIZE_TIMEOUT, seconds per tool (default 1200; a timeout shows as exit 124).
 
 set -u -o pipefail
@@ -29,7 +30,8 @@ if ! command -v compute-sanitizer >/dev/null 2>&1; then
 fi
 
 echo "logs in $outdir"
-if ! "$python" "$cases" >"$outdir/warmup.log" 2>&1; then
+# shellcheck disable=SC2086  # SANITIZE_CASES: words on purpose
+if ! "$python" "$cases" ${SANITIZE_CASES:-} >"$outdir/warmup.log" 2>&1; then
     echo "the cases fail without the sanitizer (see $outdir/warmup.log):" >&2
     tail -n 20 "$outdir/warmup.log" >&2
     exit 1
@@ -44,7 +46,7 @@ for tool in $tools; do
     esac
     log="$outdir/$tool.log"
     start=$SECONDS
-    timeout -k 30 "$limit" compute-sanitizer "${flags[@]}" "$python" "$cases" >"$log" 2>&1
+    timeout -k 30 "$limit" compute-sanitizer "${flags[@]}" "$python" "$cases" ${SANITIZE_CASES:-} >"$log" 2>&1
     status=$?
     summary="$(grep -oE '(ERROR|RACECHECK) SUMMARY.*' "$log" | tail -n 1)"
     printf '%-10s exit %-3s %-58s %4ss  %s\n' "$tool" "$status" "${summary:-(no ERROR SUMMARY line)}" \
