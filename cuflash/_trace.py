@@ -14,6 +14,7 @@ gives a new trace). The arrays' data are read at each call (`captured_arrays`), 
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import sys
 import types
@@ -504,6 +505,18 @@ def captured_arrays(fn, traced: Traced) -> list:
     return [arrays[p] for p in traced.positions]
 
 
+def check_devices(traced: Traced, arrays, device: int) -> None:
+    """For a GPU call on ``device``: TypeError naming the first captured array (``arrays`` from
+    `captured_arrays`) that is not a CuPy array on that device."""
+    for capture, a in zip(traced.captures, arrays):
+        if not _is_array(a) or isinstance(a, np.ndarray):
+            raise TypeError(f"{traced.role} reads {capture.path}, a NumPy array; the GPU functions read captured "
+                            f"arrays on q's device {device}: capture a CuPy array (cupy.asarray)")
+        if a.device.id != device:
+            raise TypeError(f"{traced.role} reads {capture.path} on device {a.device.id}, but q is on device "
+                            f"{device}")
+
+
 def _trace(fn, role, batch_dims, arrays, order) -> Traced:
     t = _Trace()
     t.order = order
@@ -511,6 +524,12 @@ def _trace(fn, role, batch_dims, arrays, order) -> Traced:
     proxied = _rebind(fn, lambda path, a: ArrayProxy(t, path, a))
     indices = [Value(g, g.index(i)) for i in range(batch_dims)] + [Value(g, g.index("q")), Value(g, g.index("kv"))]
     args = ([Value(g, g.score())] if role == "score_mod" else []) + indices
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        names = (["score"] if role == "score_mod" else []) + [f"b{i}" for i in range(batch_dims)] + ["q_idx", "kv_idx"]
+        raise TypeError(f"{role} is called with {len(args)} arguments, ({', '.join(names)}): one index per batch "
+                        f"dim ({batch_dims} here), but its signature is {inspect.signature(fn)}") from None
     _Trace.bad_index = False
     try:
         result = proxied(*args)
