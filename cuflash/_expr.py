@@ -25,7 +25,6 @@ SYMBOLS = {
     "where": "cuflash.where",
 }
 FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
-ARITHMETIC = ("add", "sub", "mul", "min", "max")
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGICAL = ("and", "or", "xor")
 

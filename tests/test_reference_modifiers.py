@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 import pytest
+from conftest import finite_difference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
 
-from conftest import finite_difference
 from cuflash import _checks, reference
 from cuflash._mask import normalize_window
 

@@ -9,12 +9,12 @@ differences.
 
 import numpy as np
 import pytest
+from conftest import finite_difference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _trace, reference
-from conftest import finite_difference
 
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
