@@ -16,6 +16,11 @@ The score modifiers (``softcap``, ``bias``, ``alibi_slopes``, ``sinks``, ``dropo
 pure function of (seed, batch entry, row, key) that docs/contract.md writes out for the GPU
 functions and the reference alike.
 
+User-defined ``score_mod`` and ``mask_mod`` functions (docs/contract.md, "User-defined score and
+mask functions") are traced first (`cuflash._trace`: the rules and their TypeErrors), then called
+on NumPy index grids in `_scores`; the backward uses the trace's symbolic derivative.
+`block_mask` classifies the tiles of a mask function.
+
 Inputs of any real dtype are accepted (including ``ml_dtypes.bfloat16``); they are converted
 with ``.astype(np.float64)`` and the results are float64.
 """
@@ -35,10 +40,11 @@ from ._checks import (
     merge_parts, packed_sequences, sum_to_shape,
 )
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
+from ._trace import HostFunction, captured_arrays, index_grids
 
 __all__ = [
-    "attention", "attention_backward", "attention_kvcache", "dropout_keep", "dropout_threshold", "merge_attention",
-    "tiled_attention",
+    "BlockMask", "attention", "attention_backward", "attention_kvcache", "block_mask", "dropout_keep",
+    "dropout_threshold", "merge_attention", "tiled_attention",
 ]
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -93,6 +99,8 @@ class _ScorePath:
     sinks: np.ndarray | None = None   # batch
     dropout_p: float = 0.0
     seed: int | None = None
+    score_mod: HostFunction | None = None
+    mask_mod: HostFunction | None = None
 
 
 def _per_entry(name: str, x):
@@ -104,9 +112,10 @@ def _per_entry(name: str, x):
 
 
 def _score_path(q, k, batch, scale, causal, window, packed=False, *, softcap=None, bias=None, alibi_slopes=None,
-                sinks=None, dropout_p=0.0, seed=None) -> _ScorePath:
+                sinks=None, dropout_p=0.0, seed=None, score_mod=None, mask_mod=None) -> _ScorePath:
     """Checks the mask and the score modifiers of a call (`cuflash._checks.check_modifiers`, with
-    a bias of any real dtype) against float64 q and k of broadcast batch shape ``batch``."""
+    a bias of any real dtype) against float64 q and k of broadcast batch shape ``batch``, and
+    traces ``score_mod`` and ``mask_mod`` (the TypeErrors of their rules)."""
     left, right = normalize_window(causal, window)
     nq, nk = q.shape[-2], k.shape[-2]
     alibi_slopes, sinks = _per_entry("alibi_slopes", alibi_slopes), _per_entry("sinks", sinks)
@@ -118,18 +127,24 @@ def _score_path(q, k, batch, scale, causal, window, packed=False, *, softcap=Non
     def wide(x, shape):
         return None if x is None else np.broadcast_to(np.asarray(x, dtype=np.float64), shape)
 
+    user = {role: None if fn is None else HostFunction(fn, role, len(batch))
+            for role, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))}
     return _ScorePath(batch, scale, left, right, m.softcap, wide(bias, batch + (nq, nk)), wide(alibi_slopes, batch),
-                      wide(sinks, batch), m.dropout_p, m.seed)
+                      wide(sinks, batch), m.dropout_p, m.seed, **user)
 
 
-def _scores(q, k, path: _ScorePath, rows: slice, keys: slice, nq: int, nk: int, masked: bool = True):
+def _scores(q, k, path: _ScorePath, rows: slice, keys: slice, nq: int, nk: int, masked: bool = True, origin=(0, 0)):
     """Steps 1 to 5 of the score path (docs/contract.md, "Score modifiers") for query rows
     ``rows`` and keys ``keys`` of one problem of ``nq`` rows and ``nk`` keys (``q`` and ``k`` hold
-    those rows and keys): the scores, shape batch + (rows, keys), -inf where masked (``masked``
-    False skips the mask, for blocks that need none), and the softcap's derivative
-    ``1 - tanh^2`` (None without softcap)."""
+    those rows and keys) whose first row and key are at ``origin`` along axis -2 (the positions
+    score_mod and mask_mod see).
+
+    Returns the scores, shape batch + (rows, keys), -inf where masked (``masked`` False skips
+    the mask, for blocks that need none); the softcap's derivative ``1 - tanh^2`` (None without
+    softcap); and score_mod's input scores, the index grids and score_mod's derivative (None
+    without score_mod)."""
     s = path.scale * (q @ np.swapaxes(k, -1, -2))                                 # 1. scale q.k
-    dcap = None
+    dcap, grids, modded = None, None, None
     if path.softcap:                                                              # 2. softcap
         t = np.tanh(s / path.softcap)
         s, dcap = path.softcap * t, 1.0 - t * t
@@ -138,10 +153,20 @@ def _scores(q, k, path: _ScorePath, rows: slice, keys: slice, nq: int, nk: int, 
     if path.alibi is not None:                                                    # 4. ALiBi
         i, j = np.arange(rows.start, rows.stop), np.arange(keys.start, keys.stop)
         s = s - path.alibi[..., None, None] * np.abs(i[:, None] + (nk - nq) - j)
+    if path.score_mod is not None or path.mask_mod is not None:
+        grids = index_grids(path.batch, np.arange(rows.start, rows.stop) + origin[0],
+                            np.arange(keys.start, keys.stop) + origin[1])
+    s = np.broadcast_to(s, path.batch + s.shape[-2:])
+    if path.score_mod is not None:                                                # 4b. score_mod
+        (dmod,) = path.score_mod.evaluate([path.score_mod.traced.dscore], s, grids)
+        modded = s, grids, dmod
+        s = np.broadcast_to(np.asarray(path.score_mod(s, *grids), dtype=np.float64), s.shape)
     if masked:                                                                    # 5. mask
         allowed = block_allowed(rows.start, rows.stop, keys.start, keys.stop, nq, nk, path.left, path.right)
+        if path.mask_mod is not None:
+            allowed = allowed & np.asarray(path.mask_mod(*grids), dtype=bool)
         s = np.where(allowed, s, -np.inf)
-    return np.broadcast_to(s, path.batch + s.shape[-2:]), dcap
+    return np.broadcast_to(s, path.batch + s.shape[-2:]), dcap, modded
 
 
 def _logsumexp(s, sinks):
@@ -164,16 +189,16 @@ def _probabilities(q, k, path: _ScorePath, rows0: int, keys0: int, lse=None):
 
     Returns ``p``, the probabilities of step 6 (batch + (Nq, Nk); 0 where masked and on rows
     whose lse is not finite), the ``lse`` (computed, or the one given: the backward recomputes
-    ``p`` from the forward's), the softcap's derivative (or None) and dropout's multipliers
-    ``keep / (1 - dropout_p)`` (or None without dropout).
+    ``p`` from the forward's), the derivative and score_mod's inputs of `_scores`, and dropout's
+    multipliers ``keep / (1 - dropout_p)`` (or None without dropout).
     """
     nq, nk = q.shape[-2], k.shape[-2]
-    s, dcap = _scores(q, k, path, slice(0, nq), slice(0, nk), nq, nk)
+    s, dcap, modded = _scores(q, k, path, slice(0, nq), slice(0, nk), nq, nk, origin=(rows0, keys0))
     if lse is None:
         lse = _logsumexp(s, path.sinks)
     row_ok = np.isfinite(lse)[..., None]
     p = np.where(row_ok, np.exp(s - np.where(row_ok, lse[..., None], 0.0)), 0.0)
-    return p, lse, dcap, _dropout(path, rows0 + np.arange(nq), keys0 + np.arange(nk))
+    return p, lse, dcap, modded, _dropout(path, rows0 + np.arange(nq), keys0 + np.arange(nk))
 
 
 def _dropout(path: _ScorePath, i, j):
@@ -220,7 +245,8 @@ def _as_host(name: str, x) -> None:
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-              softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None):
+              softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, score_mod=None,
+              mask_mod=None):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` in float64, with optional score
     modifiers.
 
@@ -287,6 +313,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         ``1 / (1 - dropout_p)``.
     seed : int, optional
         ``0 <= seed < 2**64``; required when ``dropout_p > 0``.
+    score_mod : function, optional
+        ``score_mod(score, *batch_indices, q_idx, kv_idx)``: the new score, after ALiBi and
+        before the mask (docs/contract.md, "User-defined score and mask functions"); called
+        on NumPy arrays: the float64 scores and int64 index grids that broadcast against them.
+    mask_mod : function, optional
+        ``mask_mod(*batch_indices, q_idx, kv_idx)``: a bool, True where the key may be attended;
+        AND-ed with ``causal`` and ``window``.
 
     Returns
     -------
@@ -305,7 +338,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     q, k, v, batch, scale = _check_inputs(q, k, v, scale)
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
-                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed)
+                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
+                       mask_mod=mask_mod)
     if packed is None:
         out, lse = _forward(q, k, v, path=path)
     else:
@@ -315,14 +349,14 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
 
 def _forward(q, k, v, q0=0, k0=0, *, path: _ScorePath):
     """out and lse of one problem whose rows and keys start at q0 and k0 of axis -2."""
-    p, lse, _, drop = _probabilities(q, k, path, q0, k0)
+    p, lse, _, _, drop = _probabilities(q, k, path, q0, k0)
     return (p if drop is None else p * drop) @ v, lse
 
 
 def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
                     softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
-                    block_m=64, block_n=64):
+                    score_mod=None, mask_mod=None, block_m=64, block_n=64):
     """The forward as the GPU kernel computes it, in NumPy float64.
 
     For each block of ``block_m`` query rows (vectorised over the batch dims):
@@ -352,8 +386,8 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
     ----------
     q, k, v, causal, window, scale, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
         As in `attention`.
-    softcap, bias, alibi_slopes, sinks, dropout_p, seed
-        As in `attention`.
+    softcap, bias, alibi_slopes, sinks, dropout_p, seed, score_mod, mask_mod
+        As in `attention`; with ``mask_mod`` every block is masked.
     block_m : int, optional
         Query rows per block.
     block_n : int, optional
@@ -375,7 +409,8 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
             raise ValueError(f"{name} must be a positive int, got {b!r}")
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
-                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed)
+                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
+                       mask_mod=mask_mod)
     tiled = functools.partial(_tiled, path=path, block_m=int(block_m), block_n=int(block_n))
     out, lse = tiled(q, k, v) if packed is None else _per_sequence(tiled, q, k, v, batch, packed)
     return (out, lse) if return_lse else out
@@ -411,7 +446,8 @@ def _tiled(q, k, v, q0=0, k0=0, *, path: _ScorePath, block_m: int, block_n: int)
             cols = slice(col_start, min(col_stop, nk))
             needs_mask = block_needs_mask(row_start, row_stop, col_start, col_stop, nq, nk, left, right)
             # s = scores * log2(e)   [batch, rows, keys], masked only where the block needs it
-            s, _ = _scores(q_blk, k[..., cols, :], path, slice(row_start, row_stop), cols, nq, nk, masked=needs_mask)
+            s, *_ = _scores(q_blk, k[..., cols, :], path, slice(row_start, row_stop), cols, nq, nk,
+                            masked=needs_mask or path.mask_mod is not None, origin=(q0, k0))
             s = s * _LOG2E
 
             # m_new = max(m_i, rowmax(s)); a row still at -inf subtracts 0 instead.
@@ -444,7 +480,8 @@ def _tiled(q, k, v, q0=0, k0=0, *, path: _ScorePath, block_m: int, block_n: int)
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        check=True, deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None,
-                       dropout_p=0.0, seed=None, bias_grad=False):
+                       dropout_p=0.0, seed=None, bias_grad=False, score_mod=None, mask_mod=None,
+                       score_mod_grads=None):
     """Exact gradients of `attention` with respect to q, k and v (and bias and sinks), in float64.
 
     The NumPy twin of `cuflash.attention_backward`. As in FlashAttention, the probabilities
@@ -481,16 +518,25 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     bias_grad : bool
         With ``bias``, also return dbias.
 
+    score_mod, mask_mod
+        As in the forward call; the gradients go through score_mod's derivative.
+    score_mod_grads : sequence of arrays, optional
+        Float arrays that ``score_mod`` reads from its global or closure variables: also return
+        the gradient of each, through every read of it (docs/contract.md, "User-defined score
+        and mask functions").
+
     Returns
     -------
     dq, dk, dv : ndarray of float64
         Shapes of ``q``, ``k`` and ``v``. The gradient of an input that was broadcast is summed
         over the broadcast dims. Rows with no key to attend contribute nothing.
     dbias : ndarray of float64
-        Only with ``bias`` and ``bias_grad=True``: the shape of ``bias``, ``dS`` summed over the
-        dims it was broadcast along.
+        Only with ``bias`` and ``bias_grad=True``: the shape of ``bias``, the gradient with
+        respect to the biased scores summed over the dims it was broadcast along.
     dsinks : ndarray of float64
         Only with ``sinks``: the shape of ``sinks``, summed over the dims it was broadcast along.
+    d(score_mod_grads) : ndarray of float64
+        One per array of ``score_mod_grads``, in order, each of that array's shape.
 
     See Also
     --------
@@ -506,14 +552,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     check_backward_arrays(batch, nq, dv_dim, None, dout=(dout.shape, None), out=(out.shape, None), lse=(lse.shape, None))
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
-                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed)
+                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
+                       mask_mod=mask_mod)
+    mod_grads = _score_mod_grads(path.score_mod, score_mod_grads)
     if packed is None:
         packed = [(0, nq, 0, k.shape[-2])]
     grads = [np.zeros(x.shape) for x in (q, k, v)]
     ds_all, dsinks = None, np.zeros(batch)
     for q0, q1, k0, k1 in packed:
         rows, keys = (..., slice(q0, q1), slice(None)), (..., slice(k0, k1), slice(None))
-        *part, ds, dz = _backward(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., q0:q1], q0, k0, path=path)
+        *part, ds, dz = _backward(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., q0:q1], q0, k0, path=path,
+                                  mod_grads=mod_grads)
         for g, region, dg in zip(grads, (rows, keys, keys), part):
             g[region] += sum_to_shape(dg, g[region].shape)
         ds_all = ds   # bias comes without packing: one problem
@@ -522,13 +571,47 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         grads.append(sum_to_shape(ds_all, np.shape(bias)))
     if sinks is not None:
         grads.append(sum_to_shape(dsinks, np.shape(sinks)))
-    return tuple(grads)
+    return tuple(grads) + tuple(g for g, _ in mod_grads)
 
 
-def _backward(dout, q, k, v, out, lse, q0=0, k0=0, *, path: _ScorePath):
-    """dq, dk, dv (broadcast batch shape), dS (batch + (Nq, Nk)) and dsinks (batch shape, summed
-    over rows) of one problem whose rows and keys start at q0 and k0 of axis -2."""
-    p, _, dcap, drop = _probabilities(q, k, path, q0, k0, lse)
+def _score_mod_grads(score_mod: HostFunction | None, arrays) -> list:
+    """(gradient, slot) of each array of ``score_mod_grads``: zeros of its shape, filled by
+    `_backward`; TypeError for an array that score_mod does not read or that is not float."""
+    if arrays is None:
+        return []
+    if score_mod is None:
+        raise ValueError("score_mod_grads needs a score_mod")
+    captured = captured_arrays(score_mod.fn, score_mod.traced)
+    found = []
+    for i, x in enumerate(arrays):
+        slot = next((s for s, a in enumerate(captured) if a is x), None)
+        if slot is None:
+            raise TypeError(f"score_mod_grads[{i}] is not an array that score_mod reads from a global or closure "
+                            "variable")
+        capture = score_mod.traced.captures[slot]
+        if capture.kind != "float":
+            raise TypeError(f"score_mod_grads[{i}] ({capture.path}) has dtype {capture.dtype}: no gradient")
+        found.append((np.zeros(np.shape(x)), slot))
+    return found
+
+
+def _add_score_mod_grads(path: _ScorePath, mod_grads, ds, modded):
+    """Adds ``ds`` (the gradient of the scores after score_mod) times d(score_mod) / d(read) at
+    each (clamped) element that each read of the arrays in ``mod_grads`` reads."""
+    s, grids, _ = modded
+    for grad, slot in mod_grads:
+        for r in path.score_mod.traced.reads:
+            if r.slot == slot:
+                d, *index = path.score_mod.evaluate([r.derivative, *r.node.args], s, grids)
+                index = [np.clip(i, 0, n - 1) for i, n in zip(index, grad.shape)]
+                np.add.at(grad, tuple(np.broadcast_arrays(*index, ds)[:-1]), ds * d)
+
+
+def _backward(dout, q, k, v, out, lse, q0=0, k0=0, *, path: _ScorePath, mod_grads=()):
+    """dq, dk, dv (broadcast batch shape), dS of the biased scores (batch + (Nq, Nk)) and dsinks
+    (batch shape, summed over rows) of one problem whose rows and keys start at q0 and k0 of
+    axis -2; adds to the gradients of ``mod_grads`` (`_score_mod_grads`)."""
+    p, _, dcap, modded, drop = _probabilities(q, k, path, q0, k0, lse)
     dv = np.swapaxes(p if drop is None else p * drop, -1, -2) @ dout
     dp = dout @ np.swapaxes(v, -1, -2)
     if drop is not None:
@@ -540,6 +623,9 @@ def _backward(dout, q, k, v, out, lse, q0=0, k0=0, *, path: _ScorePath):
         row_ok = np.isfinite(lse)
         p_sink = np.where(row_ok, np.exp(path.sinks[..., None] - np.where(row_ok, lse, 0.0)), 0.0)
         dsinks = -(p_sink * delta).sum(axis=-1)
+    if modded is not None:
+        _add_score_mod_grads(path, mod_grads, ds, modded)
+        ds = ds * modded[2]
     ds_scores = ds if dcap is None else ds * dcap
     dq = path.scale * (ds_scores @ k)
     dk = path.scale * (np.swapaxes(ds_scores, -1, -2) @ q)
@@ -765,3 +851,53 @@ def merge_attention(outs, lses):
     seen = np.isfinite(lse)
     weights = np.where(seen, np.exp(lses - np.where(seen, lse, 0.0)), 0.0)
     return (weights[..., None] * outs).sum(axis=0), np.where(seen, lse, -np.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block masks of mask functions
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """What a mask function allows in each tile of ``block = (rows, keys)``: ``kinds[..., m, n]``
+    is `EMPTY` (no element of tile (m, n) allowed: a kernel skips it), `FULL` (every element
+    allowed: no mask needed) or `PARTIAL`, for each entry of the batch dims. Only elements
+    inside ``shape = (Nq, Nk)`` count: a ragged last tile is full when all of its elements
+    inside are allowed."""
+
+    EMPTY = 0
+    PARTIAL = 1
+    FULL = 2
+
+    kinds: np.ndarray   # int8, batch_shape + (ceil(Nq / rows), ceil(Nk / keys))
+    block: tuple
+    shape: tuple
+
+
+def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128)) -> BlockMask:
+    """The `BlockMask` of ``mask_mod`` (as for `attention`: ``mask_mod(*batch_indices, q_idx,
+    kv_idx)``, rows and keys at positions ``0 .. Nq - 1`` and ``0 .. Nk - 1``) over tiles of
+    ``block = (rows, keys)``, evaluated on the host one row of tiles at a time."""
+    batch_shape = tuple(int(n) for n in batch_shape)
+    for name, n in (("nq", nq), ("nk", nk), ("block[0]", block[0]), ("block[1]", block[1])):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (numbers.Integral, np.integer)) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    bm, bn = int(block[0]), int(block[1])
+    if bm < 1 or bn < 1:
+        raise ValueError(f"block must be two positive ints, got {block!r}")
+    fn = HostFunction(mask_mod, "mask_mod", len(batch_shape))
+    rows_of_tiles, cols = -(-nq // bm), -(-nk // bn)
+    kinds = np.zeros(batch_shape + (rows_of_tiles, cols), dtype=np.int8)
+    pad = cols * bn - nk
+    for m in range(rows_of_tiles):
+        rows = np.arange(m * bm, min((m + 1) * bm, nq))
+        allowed = np.broadcast_to(np.asarray(fn(*index_grids(batch_shape, rows, np.arange(nk))), dtype=bool),
+                                  batch_shape + (len(rows), nk))
+        # A ragged last tile is padded with True for `all` and with False for `any`.
+        widths = [(0, 0)] * (allowed.ndim - 1) + [(0, pad)]
+        full, some = (np.pad(allowed, widths, constant_values=fill).reshape(batch_shape + (len(rows), cols, bn))
+                      for fill in (True, False))
+        kinds[..., m, :] = np.where(full.all(axis=(-3, -1)), BlockMask.FULL,
+                                    np.where(some.any(axis=(-3, -1)), BlockMask.PARTIAL, BlockMask.EMPTY))
+    return BlockMask(kinds, (bm, bn), (int(nq), int(nk)))

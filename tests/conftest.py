@@ -80,6 +80,21 @@ def assert_close_to_reference(name, result, naive, ref, dtype, c, term_scale=0.0
     )
 
 
+def finite_difference(loss, x, h):
+    """Central differences of ``loss()`` at every element of the array ``x`` (changed in place
+    and restored); the step actually taken is what ``x``'s dtype holds, so float32 works too."""
+    grad = np.zeros(x.shape)
+    for idx in np.ndindex(*x.shape):
+        orig = x[idx]
+        x[idx] = orig + h
+        up, hi = loss(), float(x[idx])
+        x[idx] = orig - h
+        down, lo = loss(), float(x[idx])
+        x[idx] = orig
+        grad[idx] = (up - down) / (hi - lo)
+    return grad
+
+
 def assert_lse_close(lse, ref_lse):
     lse = np.asarray(lse, dtype=np.float64)
     assert lse.shape == ref_lse.shape

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import finite_difference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
@@ -265,21 +266,6 @@ def test_kvcache_takes_softcap_alibi_and_sinks():
 # ---------------------------------------------------------------------------------------------
 # Backward against central finite differences
 # ---------------------------------------------------------------------------------------------
-
-
-def finite_difference(loss, x, h):
-    """Central differences of ``loss()`` at every element of the array ``x`` (changed in place
-    and restored); the step actually taken is what ``x``'s dtype holds, so float32 works too."""
-    grad = np.zeros(x.shape)
-    for idx in np.ndindex(*x.shape):
-        orig = x[idx]
-        x[idx] = orig + h
-        up, hi = loss(), float(x[idx])
-        x[idx] = orig - h
-        down, lo = loss(), float(x[idx])
-        x[idx] = orig
-        grad[idx] = (up - down) / (hi - lo)
-    return grad
 
 
 @settings(max_examples=30, **FAST)
