@@ -251,7 +251,9 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     fill_zero(acc);
     OnlineSoftmax<T, M_TILES> softmax(p.scale_log2_lo);
     const float scale_log2 = p.scale_log2;
-    const ScorePath<T, Scores, DecodeParams> path(p);
+    // (a ScorePath built where it is used: one held across the loop keeps the parameters'
+    // address and cost the plain float32 kernels a register)
+    using Path = ScorePath<T, Scores, DecodeParams>;
     // (modified scores) each of the thread's rows' ALiBi slope, of its query head (flat row
     // / nq), and its query's position against the keys, row % nq + nk - nq
     float slopes[M_TILES][2] = {};
@@ -263,7 +265,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = min(mt * 16 + g + 8 * h, rows - 1);   // (rows past `rows` are never written)
-                slopes[mt][h] = path.slope_of(u32((index_t(be) * p.rows + row0 + r) / nq));
+                slopes[mt][h] = Path(p).slope_of(u32((index_t(be) * p.rows + row0 + r) / nq));
                 at[mt][h] = (row0 + r) % nq + off;
             }
     }
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         mma_rows_rows<T, QTile, SubTile, HEAD_DIM, QK_UNROLL>(s, s_q, 0, s_k_warp);
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
         const int key0 = nb * BLOCK_N + warp * Tiles::WARP_KEYS, key_last = key0 + Tiles::WARP_KEYS - 1;
-        path.modify_rows(s, slopes, at, key0);
+        Path(p).modify_rows(s, slopes, at, key0);
         // the band per row: row r of the block is new row (row0 + r) % nq. The warp's keys
         // need it only where the split's ends or the band's edges cut them (rows past
         // `rows` read zeros from Q and are never written, masked or not).
@@ -371,7 +373,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         }
         float inv, row_lse;
         if constexpr (Scores::MODIFIED) {
-            const float sink2 = split == 0 ? path.sink2_of(u32((out_row0 + r) / nq)) : -CUFLASH_INF;
+            const float sink2 = split == 0 ? Path(p).sink2_of(u32((out_row0 + r) / nq)) : -CUFLASH_INF;
             row_lse = OnlineSoftmax<T, M_TILES>::lse_with_sink(best, total, scale_log2, sink2, inv);
         } else {
             inv = total == 0.f ? 0.f : 1.f / total;
