@@ -121,7 +121,8 @@ struct ScorePath {
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + mt * 16 + g + 8 * (e >> 1);
                     const int col = col0 + nt * 8 + 2 * t + (e & 1);
-                    s[mt][nt][e] = Score(modified<CAP>(float(s[mt][nt][e]), slope, distance<KEYS_IN_ROWS>(row, col)));
+                    const float x = softcapped<CAP>(float(s[mt][nt][e]));
+                    s[mt][nt][e] = Score(fmaf(-slope, distance<KEYS_IN_ROWS>(row, col), x));
                 }
     }
 
@@ -151,17 +152,15 @@ struct ScorePath {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = col0 + nt * 8 + 2 * t + (e & 1);
-                    const float dist = float(abs(at[mt][e >> 1] - col));
-                    s[mt][nt][e] = Score(modified<CAP>(float(s[mt][nt][e]), slopes[mt][e >> 1], dist));
+                    const float x = softcapped<CAP>(float(s[mt][nt][e]));
+                    s[mt][nt][e] = Score(fmaf(-slopes[mt][e >> 1], float(abs(at[mt][e >> 1] - col)), x));
                 }
     }
 
-    // One raw score to the score the softmax sees: capped (CAP), less ALiBi's slope times the
-    // query's distance from the key.
+    // A raw score softcapped (CAP), before ALiBi's term
     template <bool CAP>
-    __device__ __forceinline__ float modified(float x, float slope, float distance) const {
-        if (CAP) x = p.cap * tanh_of<T>(x * p.cap_inv);
-        return fmaf(-slope, distance, x);
+    __device__ __forceinline__ float softcapped(float x) const {
+        return CAP ? p.cap * tanh_of<T>(x * p.cap_inv) : x;
     }
 
     // |i + off - j| of query i and key j, for fragment coordinates (row, col)
