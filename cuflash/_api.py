@@ -301,7 +301,8 @@ def merge_attention(outs, lses):
 
 
 def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
-                      causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False):
+                      causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False,
+                      softcap=None, alibi_slopes=None, sinks=None):
     """Attention of a few new query rows per sequence against a KV cache (decoding).
 
     Parameters
@@ -335,20 +336,28 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
         ``check=False`` reads nothing back (CUDA graphs); out-of-range positions are then
         clamped, never read or written outside the arrays.
     return_lse : bool, optional
+    softcap, alibi_slopes, sinks
+        As in ``attention``, per sequence: ``alibi_slopes`` and ``sinks`` one float32 per query
+        head, of a shape that broadcasts to q's dims before Nq, ``(B, ...)`` (with grouped
+        queries, usually ``(Hkv, G)``); ALiBi's distance is ``|cache_seqlens[b] + Nnew - Nq + i - j|``
+        for new row i and key j. Each row's sink joins its softmax once, whatever ``num_splits``.
 
     Returns
     -------
     out : cupy.ndarray, shape (B, ...) + (Nq, Dv)
-    lse : cupy.ndarray, shape (B, ...) + (Nq,), float32, with ``return_lse=True``
+    lse : cupy.ndarray, shape (B, ...) + (Nq,), float32, with ``return_lse=True``. A row that
+        sees no key gets out 0 and lse -inf (its sink's logit with ``sinks``).
 
     See Also
     --------
     cuflash.reference.attention_kvcache : the NumPy float64 version.
     """
+    mods = _mods(softcap, alibi_slopes, sinks)
     plan, (q_, k_, v_, seqlens, table, k_new_, v_new_) = _plans.kvcache(
-        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check)
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check, mods)
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
+        entries = _per_entry(cupy, mods, plan.launches.out_shape[:-2])
         out, lse = plan.launches.run(cupy, plan.device, q_.dtype, return_lse, q_, k_, v_, seqlens, table, k_new_,
-                                     v_new_)
+                                     v_new_, *entries)
     return (out, lse) if return_lse else out

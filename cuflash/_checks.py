@@ -756,6 +756,7 @@ class KVCacheInputs:
     longest: int              # an upper bound on any sequence's keys (for the split)
     dtype_name: str
     out_shape: tuple          # (B, ..., Nq, Dv)
+    mods: object = None       # the score modifiers (_mods.ScoreMods), per query head of (B, ...)
 
 
 def check_num_splits(num_splits) -> int | None:

@@ -285,7 +285,8 @@ def kvcache_launches(x) -> KVCacheLaunches:
         raise ValueError(f"attention_kvcache does not take {x.dtype_name} with head dims above 128 "
                          f"(D = {x.d}, Dv = {x.dv}); use float16 or bfloat16")
     row_groups = -(-rows // tiles.block_rows)
-    decode = _compile.get_function(tiles.name(x.dtype_name, head_dim), smem)
+    scores = score_path(x)
+    decode = _compile.get_function(tiles.name(x.dtype_name, head_dim, scores=scores), smem)
     blocks = x.batch * x.entries * row_groups
     hopper = _compile.current_arch() == "sm_90a"
     alone = tiles.streams_alone(head_dim, itemsize)
@@ -298,13 +299,14 @@ def kvcache_launches(x) -> KVCacheLaunches:
     pad = alone or (x.block_table is not None and tiles.block_rows == 16)
     cluster_smem = one_per_sm_smem(smem) if hopper and pad else smem
     if cluster_smem > smem:
-        _compile.get_function(tiles.name(x.dtype_name, head_dim), cluster_smem)
+        _compile.get_function(tiles.name(x.dtype_name, head_dim, scores=scores), cluster_smem)
     # (pages read run by run pack two blocks per SM, and splits of two 64-key blocks there
     # spend more on their fixed costs than the model counts: docs/design.md, "KV cache and decoding")
     min_keys = DECODE_RUNS_MIN_SPLIT_KEYS if tiles.layout == KEY_RUNS else 0
 
     def kernel(two_level):   # (several clusters per row group: the kernel of two-level merges)
-        return _compile.get_function(tiles.name(x.dtype_name, head_dim, two_level), cluster_smem) if two_level else decode
+        return (_compile.get_function(tiles.name(x.dtype_name, head_dim, two_level, scores), cluster_smem) if two_level
+                else decode)
 
     def clusters(c, two_level):   # (Hopper: blocks at once in clusters of c splits of a row group, merged on chip)
         return cluster_slots(kernel(two_level), 128, cluster_smem, c)
@@ -319,6 +321,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
     vn = (0, 0, 0) if x.v_new is None else tuple(st // itemsize for st in x.v_new.strides[:3])
     scale_log2, scale_log2_lo = _params.scale_log2_parts(x.scale)
+    cap, cap_inv, unscale, slope_unit = _params.score_units(x.mods.softcap if x.mods is not None else 0.0, x.scale)
     params = _params.decode_params(
         q_stride_b=x.q.strides[0] // itemsize, q_stride_e=x.q.strides[1] // itemsize, q_stride_row=x.q.strides[2] // itemsize,
         k_stride_b=ks[0], k_stride_e=ks[1], k_stride_row=ks[2], v_stride_b=vs[0], v_stride_e=vs[1], v_stride_row=vs[2],
@@ -329,6 +332,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
         max_pages=0 if x.block_table is None else x.block_table.shape[1],
         window_left=left, window_right=right,
         scale_log2=scale_log2, scale_log2_lo=scale_log2_lo, splits=splits, split_keys=split_keys,
+        cap=cap, cap_inv=cap_inv, unscale=unscale, slope_unit=slope_unit,
     )
     runs = []
     # (programmatic on Hopper: each kernel starts under the tail of the one before; docs/design.md,

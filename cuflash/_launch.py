@@ -272,8 +272,10 @@ class KVCacheLaunches:
     out_shape: tuple[int, ...]
     parts: tuple[int, int, int, int] | None   # (parts per row, rows, dv, counters)
 
-    def run(self, cupy, device, dtype, return_lse, q, k, v, seqlens, block_table, k_new, v_new):
-        """(out, lse) of a call on ``device`` (current); lse None without ``return_lse``."""
+    def run(self, cupy, device, dtype, return_lse, q, k, v, seqlens, block_table, k_new, v_new, alibi_slopes=None,
+            sinks=None):
+        """(out, lse) of a call on ``device`` (current); lse None without ``return_lse``;
+        ``alibi_slopes`` and ``sinks`` one float32 per query head, contiguous (or None)."""
         out = cupy.empty(self.out_shape, dtype=dtype)
         if return_lse:
             lse = lse_ptr = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
@@ -285,7 +287,8 @@ class KVCacheLaunches:
             parts, rows, dv, counters = self.parts
             counts, part_out = split_workspace(cupy, device, stream, 4 * counters, parts * rows * (dv + 1) * 4)
             part_lse = part_out + parts * rows * dv * 4
-        arrays = (q, k, v, out, lse_ptr, seqlens, block_table, part_out, part_lse, counts, k_new, v_new)
+        arrays = (q, k, v, out, lse_ptr, seqlens, block_table, part_out, part_lse, counts, k_new, v_new, alibi_slopes,
+                  sinks)
         for launch in self.runs:
             launch.run(arrays, stream)
         return out, lse

@@ -72,7 +72,8 @@ BWD_PARAMS_DTYPE = np.dtype(
 SCHEDULE_THREADS = 1024
 
 # kernels/decode/decode.cuh: DecodeParams, field for field (pointers first).
-DECODE_POINTERS = ("q", "k", "v", "out", "lse", "seqlens", "block_table", "part_out", "part_lse", "split_counts", "k_new", "v_new")
+DECODE_POINTERS = ("q", "k", "v", "out", "lse", "seqlens", "block_table", "part_out", "part_lse", "split_counts", "k_new", "v_new",
+                   "alibi_slopes", "sinks")
 DECODE_PARAMS_DTYPE = np.dtype(
     [(name, np.uint64) for name in DECODE_POINTERS]
     + [(name, np.int64) for name in (
@@ -81,6 +82,7 @@ DECODE_PARAMS_DTYPE = np.dtype(
         "vn_stride_b", "vn_stride_e", "vn_stride_row", "batch", "entries", "rows", "nq", "d", "dv", "n_new",
         "seqlen_all", "capacity", "page_size", "page_div", "num_pages", "max_pages", "window_left", "window_right")]
     + [("scale_log2", np.float32), ("scale_log2_lo", np.float32), ("splits", np.int64), ("split_keys", np.int64)]
+    + [(name, np.float32) for name in ("cap", "cap_inv", "unscale", "slope_unit")]
 )
 
 

@@ -175,7 +175,8 @@ def _device_lengths(cache_seqlens) -> bool:
     return not (cache_seqlens is None or type(cache_seqlens) is int or isinstance(cache_seqlens, numbers.Integral))
 
 
-def _kvcache_signature(arrays, cache_seqlens, device_lengths, block_table, causal, window, scale, num_splits, check):
+def _kvcache_signature(arrays, cache_seqlens, device_lengths, block_table, causal, window, scale, num_splits, check,
+                       mods=None):
     """The cache key of an attention_kvcache call, or None when it must be checked every
     time: with ``check=True``, lengths or pages that live in arrays (their values are read);
     lengths or tables the kernels cannot read in place (NumPy, or not contiguous int32)."""
@@ -192,17 +193,19 @@ def _kvcache_signature(arrays, cache_seqlens, device_lengths, block_table, causa
         mask = (type(causal), causal, None if window is None else tuple((type(w), w) for w in window),
                 type(scale), scale, type(num_splits), num_splits, type(check), check)
         lengths = None if device_lengths else (type(cache_seqlens), cache_seqlens)
-        return ("kvcache", mask, lengths, *index_arrays, *map(_array_key, arrays))
+        return ("kvcache", mask, mods, lengths, *index_arrays, *map(_array_key, arrays))
     except AttributeError:
         return None
 
 
-def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check):
+def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check,
+            mods=None):
     """(plan, (q, k, v, seqlens, block_table, k_new, v_new) as the kernels read them) of an
-    attention_kvcache call; raises as the checks do, before anything is written."""
+    attention_kvcache call; raises as the checks do, before anything is written. ``mods``:
+    (softcap, alibi_slopes, sinks), or None."""
     device_lengths = _device_lengths(cache_seqlens)
     key = _kvcache_signature((q, k_cache, v_cache, k_new, v_new), cache_seqlens, device_lengths, block_table, causal,
-                             window, scale, num_splits, check)
+                             window, scale, num_splits, check, mods and _mods.key(*mods))
     try:
         plan = _plans.get(key)
     except TypeError:   # an argument that cannot be part of a key: the checks say what is wrong with it
@@ -212,6 +215,8 @@ def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causa
     cupy = _checks.require_cupy()
     x = _checks.kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window,
                                scale, num_splits, check)
+    if mods is not None:   # (one slope and sink per query head: q's dims before Nq)
+        x.mods = _mods.check(cupy, *mods, x.out_shape[:-2], q.device.id)
     with cupy.cuda.Device(q.device.id):
         plan = KVCachePlan(q.device.id, _dispatch.kvcache_launches(x))
     arrays = (x.q, x.k, x.v, x.seqlens, x.block_table, x.k_new, x.v_new)

@@ -586,11 +586,11 @@ class DecodeTiles:
         return (self.block_rows == 16 and self.layout == KEY_BLOCKS
                 and 2 * self.block_n * head_dim * itemsize >= 32 * 1024)
 
-    def name(self, dtype_name: str, head_dim: int, two_level: bool = False) -> str:
+    def name(self, dtype_name: str, head_dim: int, two_level: bool = False, scores: str = PLAIN) -> str:
         """The kernel; ``two_level``: the one for splits in several clusters per row group
-        (Hopper), whose parts then merge through global memory."""
+        (Hopper), whose parts then merge through global memory; ``scores``: its score path."""
         return (f"cuflash::attn_decode<{ELEMENT_TYPES[dtype_name][0]}, {head_dim}, {self.block_rows // 16}, "
-                f"{self.stages}, {self.block_n}, {self.layout}, {'true' if two_level else 'false'}>")
+                f"{self.stages}, {self.block_n}, {self.layout}, {_flag(two_level)}, {SCORE_PATHS[scores]}>")
 
 
 def decode_tiles(head_dim: int, rows: int, itemsize: int, page_size: int | None = None) -> DecodeTiles:
@@ -627,8 +627,8 @@ def decode_supported(head_dim: int, itemsize: int) -> bool:
 
 
 def decode_specializations(arch: str = "sm_80") -> list[str]:
-    """The KV-cache kernels, for every dtype and head-dim bucket they take (on sm_90a also
-    those for splits in several clusters per row group)."""
+    """The KV-cache kernels, for every dtype and head-dim bucket they take, with either score
+    path (on sm_90a also those for splits in several clusters per row group)."""
     names = []
     for dt, (elem, itemsize) in ELEMENT_TYPES.items():
         names.append(f"cuflash::kvcache_append<{elem}>")
@@ -639,7 +639,8 @@ def decode_specializations(arch: str = "sm_80") -> list[str]:
             shapes = {decode_tiles(hd, rows, itemsize, page) for rows in (1, 32) for page in (None, 64, 16, 8)}
             for tiles in sorted(shapes, key=lambda t: (t.block_rows, t.block_n, t.layout)):
                 if tiles.smem_bytes(hd, itemsize) <= 227 * 1024:
-                    names.append(tiles.name(dt, hd))
-                    if arch == "sm_90a":
-                        names.append(tiles.name(dt, hd, two_level=True))
+                    for scores in SCORE_PATHS:
+                        names.append(tiles.name(dt, hd, scores=scores))
+                        if arch == "sm_90a":
+                            names.append(tiles.name(dt, hd, two_level=True, scores=scores))
     return names

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from conftest import GPU_MISSING, assert_close_to_reference, assert_lse_close, poisoned_allocations, random_array, requires_gpu
@@ -39,7 +41,11 @@ def _cache_problem(rng, dtype, batch, hkv, group, nq, d, dv, paged, page_size, l
 
 
 def _naive(q, k_cache, v_cache, table, lengths, mask):
-    """Attention per sequence in the inputs' dtype over its gathered keys (cuflash.naive)."""
+    """Attention per sequence in the inputs' dtype over its gathered keys (cuflash.naive);
+    ``mask``: the mask's keywords and the modifiers' (slopes and sinks of q's dims before Nq,
+    or of those after B)."""
+    mask = dict(mask)
+    per_sequence = {n: mask.pop(n) for n in ("alibi_slopes", "sinks") if getattr(mask.get(n), "ndim", 0) == q.ndim - 2}
     outs = []
     for b, n in enumerate(lengths):
         if n == 0:   # no key: out 0
@@ -52,7 +58,7 @@ def _naive(q, k_cache, v_cache, table, lengths, mask):
             page, row = cupy.asarray(table[b, j // k_cache.shape[-2]]), cupy.asarray(j % k_cache.shape[-2])
             k = cupy.moveaxis(k_cache[page, ..., row, :], 0, -2)
             v = cupy.moveaxis(v_cache[page, ..., row, :], 0, -2)
-        outs.append(naive.attention(q[b], k, v, **mask))
+        outs.append(naive.attention(q[b], k, v, **mask, **{n: x[b] for n, x in per_sequence.items()}))
     return cupy.stack(outs)
 
 
@@ -342,3 +348,129 @@ def test_split_decoding_on_two_streams_at_once():
     for i in range(2):
         for out in outs[i]:
             assert np.array_equal(cupy.asnumpy(out), alone[i])
+
+
+# The score modifiers (softcap, ALiBi, sinks), as in tests/test_modifiers.py
+MODS = {
+    "softcap": dict(softcap=20.0),
+    "alibi": dict(alibi=True),
+    "sinks": dict(sinks=True),
+    "all": dict(softcap=30.0, alibi=True, sinks=True),
+}
+
+
+def _mod_keywords(rng, mods, heads_shape, sink_scale=2.0):
+    """The modifiers' keywords: softcap, and per query head slopes and sinks (CuPy float32)."""
+    kw = {"softcap": mods["softcap"]} if "softcap" in mods else {}
+    if mods.get("alibi"):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, heads_shape).astype(np.float32))
+    if mods.get("sinks"):
+        kw["sinks"] = cupy.asarray(rng.normal(0, sink_scale, heads_shape).astype(np.float32))
+    return kw
+
+
+def _check_modified(rng, dtype, batch, hkv, group, nq, d, paged, page_size, lengths, n_new, mask, kw, num_splits):
+    """attention_kvcache with modifiers ``kw`` against the reference (out, lse, the caches)."""
+    lengths = np.asarray(lengths)
+    q, k, v, (k_new, v_new), table = _cache_problem(rng, dtype, batch, hkv, group, nq, d, d, paged, page_size,
+                                                    lengths.tolist(), n_new)
+    host = {name: None if x is None else cupy.asnumpy(x) for name, x in
+            (("q", q), ("k", k), ("v", v), ("k_new", k_new), ("v_new", v_new))}
+    r_out, r_lse = reference.attention_kvcache(host["q"], host["k"], host["v"], k_new=host["k_new"],
+                                               v_new=host["v_new"], cache_seqlens=lengths, block_table=table,
+                                               return_lse=True, **mask, **{n: cupy.asnumpy(x) if n != "softcap" else x
+                                                                           for n, x in kw.items()})
+    with poisoned_allocations():
+        out, lse = cuflash.attention_kvcache(q, k, v, k_new=k_new, v_new=v_new,
+                                             cache_seqlens=cupy.asarray(lengths, dtype=cupy.int32),
+                                             block_table=None if table is None else cupy.asarray(table),
+                                             num_splits=num_splits, return_lse=True, **mask, **kw)
+    assert np.array_equal(cupy.asnumpy(k), host["k"]) and np.array_equal(cupy.asnumpy(v), host["v"])
+    n = _naive(q, k, v, table, lengths + n_new, {**mask, **kw})
+    assert_close_to_reference("out", cupy.asnumpy(out), cupy.asnumpy(n), r_out, q.dtype, c=2)
+    assert_lse_close(cupy.asnumpy(lse), r_lse)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
+@pytest.mark.parametrize("mods", MODS)
+@pytest.mark.parametrize("mask", ({}, {"causal": True}, {"window": (30, 0)}))
+@pytest.mark.parametrize("layout", ("contiguous", "paged"))
+@pytest.mark.parametrize("num_splits", (1, 3))
+def test_kvcache_modifiers_against_reference(dtype, mods, mask, layout, num_splits):
+    """Each modifier and all three under GQA (G 4, per query head slopes and sinks), appends
+    of 2 rows for 3 new rows (ALiBi's positions from the cache length), ragged lengths with
+    an empty cache, contiguous and paged (16 rows: read run by run; 7: row by row)."""
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, mods, mask, layout, num_splits)).encode()))
+    kw = _mod_keywords(rng, MODS[mods], (2, 4))
+    for page_size, n_new in ((16, 2), (7, 0)):
+        _check_modified(rng, dtype, 3, 2, 4, 3, 64, layout == "paged", page_size, [150, 0, 301], n_new, mask, kw,
+                        num_splits)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_kvcache_modifiers_with_32_row_tiles(dtype, d):
+    """G 8 x Nq 5 = 40 rows per K/V head: tiles of 32 rows whose rows wrap past Nq and span
+    query heads, each its own slope and sink (per sequence too: (B, Hkv, G)); causal, appends,
+    split and not."""
+    rng = np.random.default_rng(d)
+    kw = _mod_keywords(rng, MODS["all"], (2, 2, 8))
+    for num_splits in (1, 4):
+        _check_modified(rng, dtype, 2, 2, 8, 5, d, True, 64, [700, 9], 5, {"causal": True}, kw, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", (None, 1, 2, 7, 17, 24))
+@pytest.mark.parametrize("window", (None, (40, 0)))
+def test_kvcache_sinks_count_once_over_splits(num_splits, window):
+    """Sinks large against the keys (logits near 6), so that a sink counted in more than one
+    split moves out and lse far past the criterion; split count up to clusters (Hopper) and
+    clusters of clusters; under a window the first splits see no key (the sink still joins
+    there)."""
+    rng = np.random.default_rng(29)
+    kw = {"sinks": cupy.asarray(rng.normal(6, 1, (2, 4)).astype(np.float32))}
+    mask = {} if window is None else {"window": window}
+    _check_modified(rng, "bfloat16", 2, 2, 4, 1, 128, False, 0, [3000, 1800], 1, mask, kw, num_splits)
+
+
+def test_kvcache_sinks_on_sequences_with_no_key():
+    """An empty cache and no append: out 0 and lse equal to each row's sink, split or not."""
+    rng = np.random.default_rng(31)
+    q = random_array(rng, (2, 2, 3, 2, 64), "float16")
+    k, v = (random_array(rng, (2, 2, 1, 32, 64), "float16") for _ in range(2))
+    z = cupy.asarray(rng.normal(size=(2, 3)).astype(np.float32))
+    for num_splits in (1, 3):
+        with poisoned_allocations():
+            out, lse = cuflash.attention_kvcache(q, k, v, cache_seqlens=cupy.asarray([0, 0], dtype=cupy.int32),
+                                                 sinks=z, num_splits=num_splits, return_lse=True)
+        assert (cupy.asnumpy(out) == 0).all()
+        np.testing.assert_allclose(cupy.asnumpy(lse), np.broadcast_to(cupy.asnumpy(z)[..., None], (2, 2, 3, 2)),
+                                   rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(softcap=-1.0), ValueError), (dict(softcap=float("nan")), ValueError), (dict(softcap="1"), TypeError),
+    (dict(alibi_slopes="float64"), TypeError), (dict(alibi_slopes=(5,)), ValueError), (dict(sinks=(3, 2, 1)), ValueError),
+    (dict(sinks="numpy"), TypeError),
+])
+def test_kvcache_bad_modifiers_raise_before_any_launch(monkeypatch, bad, error):
+    """Checked as attention checks them, against q's dims before Nq, (B, Hkv, G) = (2, 2, 4),
+    naming the argument; no kernel launched and the caches untouched (no append)."""
+    from cuflash import _launch
+
+    rng = np.random.default_rng(37)
+    q = random_array(rng, (2, 2, 4, 1, 64), "float16")
+    k, v = (random_array(rng, (2, 2, 1, 32, 64), "float16") for _ in range(2))
+    kn, vn = (random_array(rng, (2, 2, 1, 1, 64), "float16") for _ in range(2))
+    before = cupy.asnumpy(k)
+    name, value = next(iter(bad.items()))
+    if name != "softcap":
+        value = {"float64": cupy.ones(4, dtype=cupy.float64), "numpy": np.ones(4, dtype=np.float32)}.get(
+            value, cupy.ones(value, dtype=cupy.float32) if isinstance(value, tuple) else value)
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(_launch.Launch, "run", launched)
+    with pytest.raises(error, match=name):
+        cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=3, **{name: value})
+    assert np.array_equal(cupy.asnumpy(k), before)

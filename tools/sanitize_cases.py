@@ -178,7 +178,8 @@ def kvcache_cases():
 def modifier_cases():
     """softcap, ALiBi and sinks together on each dtype, head dim and mask; one at a time on
     grouped queries (values per query head), rows that see no key, padded and strided head
-    dims and packed sequences; and the Hopper kernels' longer tiles with all three."""
+    dims and packed sequences; the Hopper kernels' longer tiles with all three; and the
+    KV cache with all three."""
     ok = True
 
     def slopes_and_sinks(shape):
@@ -221,6 +222,27 @@ def modifier_cases():
         k, v = randn((1, 2, nk, d), "float16"), randn((1, 2, nk, d), "float16")
         mods = {"softcap": 30.0, **slopes_and_sinks((2,))}
         ok &= run_case(f"float16 D={d} Nq={nq} Nk={nk} {mask} softcap+alibi+sinks", q, k, v, **mask, **mods)
+    # the KV cache with all three (values per query head of GQA 2x4): appends, an empty cache,
+    # contiguous and paged (7 rows: read row by row; 16: run by run), causal, splits 1 and 3
+    for dtype in ("float16", "bfloat16", "float32"):
+        q = randn((3, 2, 4, 2, 64), dtype)
+        kn, vn = randn((3, 2, 1, 2, 64), dtype), randn((3, 2, 1, 2, 64), dtype)
+        lengths = cupy.asarray([0, 150, 298], dtype=cupy.int32)
+        mods = {"softcap": 30.0, **slopes_and_sinks((2, 4))}
+        for page_size in (None, 7, 16):
+            paged, shape = {}, (3, 2, 1, 300, 64)
+            if page_size is not None:
+                per_seq = -(-300 // page_size)
+                table = np.random.default_rng(1).permutation(3 * per_seq).reshape(3, per_seq)
+                paged, shape = {"block_table": cupy.asarray(table, dtype=cupy.int32)}, (3 * per_seq + 5, 2, 1, page_size, 64)
+            k, v = randn(shape, dtype), randn(shape, dtype)
+            for splits in (1, 3):
+                out = cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=lengths, causal=True,
+                                                num_splits=splits, **paged, **mods)
+                ok &= bool(cupy.isfinite(out.astype(cupy.float32)).all())
+        cupy.cuda.Device().synchronize()
+        print(f"{dtype} KV cache softcap+alibi+sinks: contiguous, paged, splits 1 and 3: "
+              f"{'finite' if ok else 'NOT FINITE'}", flush=True)
     return ok
 
 

@@ -65,27 +65,35 @@ __device__ __forceinline__ float log2_of(float x) {
 
 // The parameters it reads stay in the constant bank (read at each use); it holds only the
 // row's ALiBi slope and the band's offset in registers.
-template <class T, class Scores>
+// Params: AttnParams, or the decoding kernel's DecodeParams (the same modifier fields).
+template <class T, class Scores, class Params = AttnParams>
 struct ScorePath {
     static constexpr bool MODIFIED = Scores::MODIFIED;
-    const AttnParams& p;
+    const Params& p;
     u32 entry = 0;
     float slope = 0.f;   // ALiBi's slope in raw units (AttnParams: slope_unit); 0: none
     int off = 0;
 
     // The path of query batch entry `entry` (the flat index of the broadcast batch).
-    __device__ __forceinline__ ScorePath(const AttnParams& p, const Band& band, u32 entry) : p(p) {
+    __device__ __forceinline__ ScorePath(const Params& p, const Band& band, u32 entry) : p(p) {
         if constexpr (MODIFIED) {
             this->entry = entry;
-            slope = p.alibi_slopes ? p.alibi_slopes[entry] * p.slope_unit : 0.f;
+            slope = slope_of(entry);
             off = band.off;
         }
     }
+    // The path of rows of several entries (the decoding kernel's), each its own: modify_rows,
+    // slope_of and sink2_of.
+    __device__ __forceinline__ explicit ScorePath(const Params& p) : p(p) {}
 
-    // The sink's logit * log2(e) for OnlineSoftmax::finish; -inf: none.
-    __device__ __forceinline__ float sink2() const {
-        return MODIFIED && p.sinks ? p.sinks[entry] * LOG2E : -CUFLASH_INF;
+    __device__ __forceinline__ float slope_of(u32 e) const {
+        return MODIFIED && p.alibi_slopes ? p.alibi_slopes[e] * p.slope_unit : 0.f;
     }
+    // The sink's logit * log2(e) for OnlineSoftmax::finish; -inf: none.
+    __device__ __forceinline__ float sink2_of(u32 e) const {
+        return MODIFIED && p.sinks ? p.sinks[e] * LOG2E : -CUFLASH_INF;
+    }
+    __device__ __forceinline__ float sink2() const { return sink2_of(entry); }
 
     __device__ __forceinline__ bool capped() const { return MODIFIED && p.cap != 0.f; }
 
@@ -113,10 +121,46 @@ struct ScorePath {
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + mt * 16 + g + 8 * (e >> 1);
                     const int col = col0 + nt * 8 + 2 * t + (e & 1);
-                    float x = float(s[mt][nt][e]);
-                    if (CAP) x = p.cap * tanh_of<T>(x * p.cap_inv);
+                    const float x = softcapped<CAP>(float(s[mt][nt][e]));
                     s[mt][nt][e] = Score(fmaf(-slope, distance<KEYS_IN_ROWS>(row, col), x));
                 }
+    }
+
+    // modify() for rows of several entries (the decoding kernel's: query heads of one K/V
+    // head), rows not transposed: the thread's row (mt, h) with its slope slopes[mt][h] and its
+    // query's position against the keys, i + off, at[mt][h]; keys from col0.
+    template <class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void modify_rows(Score (&s)[M_TILES][N_TILES][4], const float (&slopes)[M_TILES][2],
+                                                const int (&at)[M_TILES][2], int col0) const {
+        if constexpr (MODIFIED) {
+            if (capped()) {
+                modify_rows_all<true>(s, slopes, at, col0);
+            } else {
+                modify_rows_all<false>(s, slopes, at, col0);
+            }
+        }
+    }
+
+    template <bool CAP, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void modify_rows_all(Score (&s)[M_TILES][N_TILES][4], const float (&slopes)[M_TILES][2],
+                                                    const int (&at)[M_TILES][2], int col0) const {
+        const int t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = col0 + nt * 8 + 2 * t + (e & 1);
+                    const float x = softcapped<CAP>(float(s[mt][nt][e]));
+                    s[mt][nt][e] = Score(fmaf(-slopes[mt][e >> 1], float(abs(at[mt][e >> 1] - col)), x));
+                }
+    }
+
+    // A raw score softcapped (CAP), before ALiBi's term
+    template <bool CAP>
+    __device__ __forceinline__ float softcapped(float x) const {
+        return CAP ? p.cap * tanh_of<T>(x * p.cap_inv) : x;
     }
 
     // |i + off - j| of query i and key j, for fragment coordinates (row, col)

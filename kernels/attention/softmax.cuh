@@ -267,6 +267,19 @@ struct OnlineSoftmax {
         return none ? -CUFLASH_INF : lse2 * 0.69314718055994530942f;
     }
 
+    // A row's lse with a sink of logit sink2 (log2 units; -inf: none), from its m and its sum l:
+    // lse2 = log2(2^c l + 2^sink2), c the row's base, taken from the larger term; and inv, the
+    // factor 2^(c - lse2) that makes its accumulator out (0 where lse is -inf). finish's SINK form,
+    // and the decoding kernel's, whose warps' (m, l) are merged first.
+    __device__ __forceinline__ static float lse_with_sink(float m, float sum, float scale_log2, float sink2, float& inv) {
+        const float c = fmaf(base_of(m), scale_log2, P_SHIFT);
+        const float keys = sum == 0.f ? -CUFLASH_INF : c + log2f(sum);
+        const float hi = fmaxf(keys, sink2), lo = fminf(keys, sink2);
+        const float lse2 = hi == -CUFLASH_INF ? hi : hi + log2f(1.f + exp2f(lo - hi));
+        inv = lse2 == -CUFLASH_INF ? 0.f : exp2f(c - lse2);
+        return lse2 * 0.69314718055994530942f;
+    }
+
     // out = acc / l; lse = lse_from(m, log2 l). A row that saw no key gets out = 0 and lse = -inf.
     // APPROX: the hardware's reciprocal and log2 (1 ulp; 2^-22 absolute), a sixth of the
     // instructions of the IEEE forms with their range checks, for 16-bit outputs: a row's sum
@@ -282,13 +295,8 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) {
                 const float sum = quad_sum(l[mt][h]);
                 if constexpr (SINK) {
-                    // lse2 = log2(2^c sum + 2^sink2), c the row's base, taken from the larger term
-                    const float c = fmaf(base_of(m[mt][h]), scale_log2, P_SHIFT);
-                    const float keys = sum == 0.f ? -CUFLASH_INF : c + log2f(sum);
-                    const float hi = fmaxf(keys, sink2), lo = fminf(keys, sink2);
-                    const float lse2 = hi == -CUFLASH_INF ? hi : hi + log2f(1.f + exp2f(lo - hi));
-                    const float inv = lse2 == -CUFLASH_INF ? 0.f : exp2f(c - lse2);
-                    lse[mt][h] = lse2 * 0.69314718055994530942f;
+                    float inv;
+                    lse[mt][h] = lse_with_sink(m[mt][h], sum, scale_log2, sink2, inv);
 #pragma unroll
                     for (int dt = 0; dt < D_TILES; ++dt) {
                         acc[mt][dt][2 * h] *= inv;

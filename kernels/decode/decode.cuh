@@ -31,6 +31,8 @@ struct DecodeParams {
     unsigned* split_counts;   // (B * E * row groups [* cluster ranks]): blocks done, back to 0 after the last (zero to begin)
     const void* k_new;        // (B, E, n_new, d) strided, for the append
     const void* v_new;
+    const float* alibi_slopes;   // (B, E, G) or null, as AttnParams'
+    const float* sinks;
     index_t q_stride_b, q_stride_e, q_stride_row;
     index_t k_stride_b, k_stride_e, k_stride_row;   // b: a sequence's cache, or a page
     index_t v_stride_b, v_stride_e, v_stride_row;
@@ -43,6 +45,9 @@ struct DecodeParams {
     index_t window_left, window_right;   // as AttnParams
     float scale_log2, scale_log2_lo;     // as AttnParams
     index_t splits, split_keys;          // keys per split: a multiple of the key block
+    // Score modifiers (score_path.cuh; with ModifiedScores): as AttnParams, slopes and sinks one
+    // per query head of the flat batch (B, E, G), (b * E + e) * G + row / nq
+    float cap, cap_inv, unscale, slope_unit;
 
     // Keys already in sequence b's cache, as given (possibly out of range).
     __device__ __forceinline__ int cached(int b) const { return seqlens ? seqlens[b] : int(seqlen_all); }
@@ -140,11 +145,13 @@ struct DecodeTiles {
 };
 
 // grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it.
+// Scores: the score path (score_path.cuh); a row's sink joins the softmax of split 0 only, so
+// that the merge of the splits by logsumexp counts it once.
 // TWO_LEVEL: launched in several clusters per row group (Hopper), whose merged parts meet
 // through global memory. A kernel of its own: that path's code, present but not taken,
 // made the short calls merged in one cluster 0.3 us slower (docs/design.md, "KV cache and
 // decoding").
-template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N, int LAYOUT, bool TWO_LEVEL>
+template <class T, int HEAD_DIM, int M_TILES, int STAGES, int BLOCK_N, int LAYOUT, bool TWO_LEVEL, class Scores>
 __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_decode(const DecodeParams p) {
     using Storage = typename T::storage;
     using Tiles = DecodeTiles<BLOCK_N>;
@@ -244,6 +251,24 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     fill_zero(acc);
     OnlineSoftmax<T, M_TILES> softmax(p.scale_log2_lo);
     const float scale_log2 = p.scale_log2;
+    // (a ScorePath built where it is used: one held across the loop keeps the parameters'
+    // address and cost the plain float32 kernels a register)
+    using Path = ScorePath<T, Scores, DecodeParams>;
+    // (modified scores) each of the thread's rows' ALiBi slope, of its query head (flat row
+    // / nq), and its query's position against the keys, row % nq + nk - nq
+    float slopes[M_TILES][2] = {};
+    int at[M_TILES][2] = {};
+    if constexpr (Scores::MODIFIED) {
+        const int g = (threadIdx.x % 32) / 4;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = min(mt * 16 + g + 8 * h, rows - 1);   // (rows past `rows` are never written)
+                slopes[mt][h] = Path(p).slope_of(u32((index_t(be) * p.rows + row0 + r) / nq));
+                at[mt][h] = (row0 + r) % nq + off;
+            }
+    }
 
     if (nb_begin < nb_end) {
         load_rows_async<QTile, THREADS, Storage>(
@@ -265,11 +290,12 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         // (rolled over the head dim where the accumulators are large: hoisted loads would spill)
         constexpr int QK_UNROLL = M_TILES * D_TILES * 4 >= 128 ? 1 : T::K_UNROLL;
         mma_rows_rows<T, QTile, SubTile, HEAD_DIM, QK_UNROLL>(s, s_q, 0, s_k_warp);
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+        const int key0 = nb * BLOCK_N + warp * Tiles::WARP_KEYS, key_last = key0 + Tiles::WARP_KEYS - 1;
+        Path(p).modify_rows(s, slopes, at, key0);
         // the band per row: row r of the block is new row (row0 + r) % nq. The warp's keys
         // need it only where the split's ends or the band's edges cut them (rows past
         // `rows` read zeros from Q and are never written, masked or not).
-        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-        const int key0 = nb * BLOCK_N + warp * Tiles::WARP_KEYS, key_last = key0 + Tiles::WARP_KEYS - 1;
         const bool cut = key0 < k_begin || key_last >= k_end || key_last > q_lo + off + p.window_right ||
                          index_t(key0) < q_hi + off - p.window_left;
         if (cut) {
@@ -345,8 +371,14 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
             weight[w] = l != 0.f ? exp2_p<T>(softmax.template exponent<0>(m - best, scale_log2)) : 0.f;
             total += weight[w] * l;
         }
-        const float inv = total == 0.f ? 0.f : 1.f / total;
-        const float row_lse = OnlineSoftmax<T, M_TILES>::lse_from(best, scale_log2, log2f(total), total == 0.f);
+        float inv, row_lse;
+        if constexpr (Scores::MODIFIED) {
+            const float sink2 = split == 0 ? Path(p).sink2_of(u32((out_row0 + r) / nq)) : -CUFLASH_INF;
+            row_lse = OnlineSoftmax<T, M_TILES>::lse_with_sink(best, total, scale_log2, sink2, inv);
+        } else {
+            inv = total == 0.f ? 0.f : 1.f / total;
+            row_lse = OnlineSoftmax<T, M_TILES>::lse_from(best, scale_log2, log2f(total), total == 0.f);
+        }
         for (int c = threadIdx.x % 32; c < (clustered ? HEAD_DIM : dv); c += 32) {
             float o = 0.f;
 #pragma unroll
