@@ -276,6 +276,9 @@ def flex_call(mod, shape, mods, device="cuda"):
     else:
         def call(q, k, v):
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+    # (the backward is timed by replaying one graph, retain_graph=True, which compiled
+    # autograd's donated buffers refuse)
+    torch._functorch.config.donated_buffer = False
     return torch.compile(call, fullgraph=True, dynamic=False)
 
 

@@ -3,6 +3,7 @@ as the kernels read them (kernels/attention/score_path.cuh)."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from . import _checks
@@ -30,9 +31,17 @@ def key(softcap, alibi_slopes, sinks):
     """The modifiers' part of a plan's signature (None: no modifier)."""
     if softcap is None and alibi_slopes is None and sinks is None:
         return None
-    arrays = tuple(None if a is None else (type(a), a.dtype, a.shape, a.strides, a.data.device_id)
-                   for a in (alibi_slopes, sinks))
-    return (type(softcap), softcap) + arrays
+    cap = softcap if isinstance(softcap, numbers.Real) else None   # (anything else: refused by check)
+    return (type(softcap), cap, _array_key(alibi_slopes), _array_key(sinks))
+
+
+def _array_key(a):
+    """A CuPy array's type, dtype, shape, strides and device; of anything else what it has of
+    these (`check` refuses it, so no plan is kept under such a key)."""
+    if a is None:
+        return None
+    return (type(a),) + tuple(getattr(a, name, None) for name in ("dtype", "shape", "strides")) + (
+        getattr(getattr(a, "device", None), "id", None),)
 
 
 def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int) -> ScoreMods:

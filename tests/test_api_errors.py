@@ -307,6 +307,21 @@ def test_backward_shapes_follow_the_broadcast_batch():
         _checks.check_backward_arrays(batch, 5, 16, np.float16, **backward_given(out=((3, 5, 16), np.float16)))
 
 
+# ---- score modifiers: a plan's key is taken before the checks, from any value ----
+
+
+@pytest.mark.parametrize("softcap, slopes, sinks", [
+    ([30.0], None, None), ("1", None, None), (None, [0.5, 0.25], None), (None, None, np.ones(3, np.float32)),
+    (np.float64(30.0), "slopes", {"z": 1}),
+])
+def test_modifier_plan_key_takes_any_value(softcap, slopes, sinks):
+    """The modifiers' part of a plan's signature is hashable whatever the values (the checks after it
+    then raise naming the argument; an AttributeError or unhashable key would not)."""
+    from cuflash import _mods
+
+    hash(_mods.key(softcap, slopes, sinks))
+
+
 # ---- on a GPU: every error through the public API, and no kernel launched ----
 
 

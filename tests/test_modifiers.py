@@ -213,6 +213,7 @@ def test_modifiers_repeat_bitwise():
 @pytest.mark.parametrize("bad, error", [
     (dict(softcap=-1.0), ValueError), (dict(softcap=float("nan")), ValueError), (dict(softcap="1"), TypeError),
     (dict(alibi_slopes="float64"), TypeError), (dict(alibi_slopes=(5,)), ValueError), (dict(sinks=(2, 2, 1)), ValueError),
+    (dict(sinks="numpy"), TypeError), (dict(alibi_slopes=[0.5, 0.25, 0.125]), TypeError),
 ])
 def test_bad_modifiers_raise_before_any_launch(bad, error):
     import cupy
@@ -227,6 +228,10 @@ def test_bad_modifiers_raise_before_any_launch(bad, error):
             kw[name] = value
         elif value == "float64":
             kw[name] = cupy.ones(3, dtype=cupy.float64)
+        elif value == "numpy":
+            kw[name] = np.ones(3, dtype=np.float32)
+        elif isinstance(value, list):
+            kw[name] = value
         else:
             kw[name] = cupy.ones(value, dtype=cupy.float32)
     with pytest.raises(error, match=next(iter(bad))):
