@@ -214,6 +214,22 @@ def test_cpu_kvcache_matches_attention_over_the_cached_keys():
     assert (out - ct.attention(q, k, v, enable_gqa=True)).abs().max().item() <= CPU_TOL
 
 
+def test_cpu_torch_compile_without_graph_breaks():
+    # aot_eager traces the forward and backward graphs through the fake kernels and the autograd
+    # formula, as inductor would, without compiling C++
+    q, k, v = qkv(1, 8, 2, 16, 16, 8, grad=True)
+    sinks = make((8,), dtype=torch.float32, seed=5, grad=True)
+
+    def loss(q, k, v, sinks):
+        return ct.attention(q, k, v, causal=True, enable_gqa=True, sinks=sinks, window=(4, None)).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
+    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 # On a GPU: the kernels through DLPack on torch's stream.
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
@@ -223,7 +239,7 @@ GPU_DTYPES = [torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("hq, hkv, causal", [(8, 8, False), (8, 8, True), (8, 2, True), (16, 1, False)])
 def test_gpu_forward_and_gradients_as_accurate_as_sdpa(dtype, hq, hkv, causal):
-    # cuflash's error against float64 SDPA within 2x SDPA's own error in the dtype, plus a few ulps
+    # the accuracy criterion with SDPA in the dtype for the baseline: c = 2 forward, 3 for the gradients
     q, k, v = qkv(2, hq, hkv, 256, 256, 64, device="cuda", dtype=dtype, grad=True)
     dout = make((2, hq, 256, 64), device="cuda", dtype=dtype, seed=4)
     kw = dict(is_causal=causal, enable_gqa=hkv != hq)
@@ -231,10 +247,49 @@ def test_gpu_forward_and_gradients_as_accurate_as_sdpa(dtype, hq, hkv, causal):
     theirs = sdpa_grads(q, k, v, dout, **kw)
     ours = ours_grads(q, k, v, dout, causal=causal, enable_gqa=hkv != hq)
     ulp = torch.finfo(dtype).eps
-    for name, o, t, r in zip(("out", "dq", "dk", "dv"), ours, theirs, ref):
+    for name, c, o, t, r in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3), ours, theirs, ref):
         assert o.dtype == dtype and o.shape == r.shape, name
         err, their_err = ((x.double() - r).abs().max().item() for x in (o, t))
-        assert err <= 2 * their_err + 4 * ulp * max(1.0, r.abs().max().item()), name
+        assert err <= c * their_err + 4 * ulp * max(1.0, r.abs().max().item()), name
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", ["packed", "sinks", "alibi_window", "bnhd_view"])
+def test_gpu_agrees_with_the_cpu_path(case):
+    # the CPU path (cuflash.reference, float64) checked against SDPA above; here the kernels against it,
+    # within float16's error at the results' scale
+    hq, hkv = 8, 2
+    kw = dict(enable_gqa=True, causal=True)
+    if case == "packed":
+        shapes = ((300, hq, 64), (340, hkv, 64), (340, hkv, 64))
+        kw.update(cu_seqlens_q=torch.tensor([0, 100, 300], dtype=torch.int32),
+                  cu_seqlens_k=torch.tensor([0, 140, 340], dtype=torch.int32))
+    else:
+        shapes = ((2, hq, 200, 64), (2, hkv, 240, 64), (2, hkv, 240, 64))
+    if case == "sinks":
+        kw["sinks"] = make((hq,), dtype=torch.float32, seed=5)
+    if case == "alibi_window":
+        kw.update(alibi_slopes=make((hq,), dtype=torch.float32, seed=5).abs(), window=(64, None), softcap=30.0)
+    inputs = [make(shape, seed=i) for i, shape in enumerate(shapes)]
+    if case == "bnhd_view":
+        inputs = [make(shape[:1] + shape[2:3] + shape[1:2] + shape[3:], seed=i).transpose(1, 2)
+                  for i, shape in enumerate(shapes)]
+    dout = make(shapes[0], seed=9)
+
+    def run(device, dtype):
+        xs = [x.to(device=device, dtype=dtype).requires_grad_() for x in inputs]
+        opts = {key: x.to(device) if isinstance(x, torch.Tensor) else x for key, x in kw.items()}
+        if "sinks" in opts:
+            opts["sinks"].requires_grad_()
+        out, lse = ct.attention(*xs, return_lse=True, **opts)
+        wrt = xs + ([opts["sinks"]] if "sinks" in opts else [])
+        return [out, lse, *torch.autograd.grad(out, wrt, dout.to(device=device, dtype=dtype))]
+
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), run("cuda", torch.float16),
+                               run("cpu", torch.float64)):
+        assert got.shape == want.shape, name
+        scale = max(1.0, want.abs().max().item())
+        assert (got.cpu().double() - want.double()).abs().max().item() <= 1e-2 * scale, name
 
 
 @requires_gpu
@@ -249,25 +304,25 @@ def test_gpu_opcheck():
 
 
 @requires_gpu
-def test_gpu_results_are_views_of_cuflash_memory_on_torch_stream():
+def test_gpu_inputs_reach_the_kernels_without_a_copy_on_torch_stream(monkeypatch):
     import cupy
 
     q, k, v = qkv(1, 4, 4, 128, 128, 64, device="cuda", dtype=torch.float16)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())   # q, k, v were written on the default stream
+    seen = []
+    real_from_dlpack = cupy.from_dlpack
+
+    def spy(t):
+        array = real_from_dlpack(t)
+        seen.append((t.data_ptr(), array.data.ptr, cupy.cuda.get_current_stream().ptr))
+        return array
+
+    monkeypatch.setattr(cupy, "from_dlpack", spy)
     with torch.cuda.stream(stream):
-        seen = []
-        real_from_dlpack = cupy.from_dlpack
-
-        def spy(x):
-            seen.append(cupy.cuda.get_current_stream().ptr)
-            return real_from_dlpack(x)
-
-        cupy.from_dlpack = spy
-        try:
-            out = ct.attention(q, k, v)
-        finally:
-            cupy.from_dlpack = real_from_dlpack
-    assert seen and set(seen) == {stream.cuda_stream}
+        out = ct.attention(q, k, v)
+    assert [s[:2] for s in seen] == [(x.data_ptr(),) * 2 for x in (q, k, v)]
+    assert {s[2] for s in seen} == {stream.cuda_stream}
     stream.synchronize()
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=2e-3)
 
@@ -276,27 +331,13 @@ def test_gpu_results_are_views_of_cuflash_memory_on_torch_stream():
 def test_gpu_torch_compile_fullgraph():
     q, k, v = qkv(2, 8, 2, 128, 128, 64, device="cuda", dtype=torch.float16, grad=True)
     sinks = make((8,), device="cuda", dtype=torch.float32, seed=5, grad=True)
+    weights = make((2, 8, 128, 64), device="cuda", dtype=torch.float16, seed=6)
 
     def loss(q, k, v, sinks):
-        return ct.attention(q, k, v, causal=True, enable_gqa=True, sinks=sinks).float().square().sum()
+        # linear in out: dout is exactly `weights` in both runs, so the gradients are bitwise the same
+        return (ct.attention(q, k, v, causal=True, enable_gqa=True, sinks=sinks) * weights).sum()
 
     compiled = torch.compile(loss, fullgraph=True)
-    want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
-    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-
-
-def test_cpu_torch_compile_without_graph_breaks():
-    # aot_eager traces the forward and backward graphs through the fake kernels and the autograd
-    # formula, as inductor would, without compiling C++
-    q, k, v = qkv(1, 8, 2, 16, 16, 8, grad=True)
-    sinks = make((8,), dtype=torch.float32, seed=5, grad=True)
-
-    def loss(q, k, v, sinks):
-        return ct.attention(q, k, v, causal=True, enable_gqa=True, sinks=sinks, window=(4, None)).square().sum()
-
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
     want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
     got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
     for a, b in zip(got, want):
