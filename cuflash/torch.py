@@ -219,7 +219,8 @@ def _groups(q, k, v, packed, enable_gqa):
     axis = 1 if packed else 1 - rank  # the heads axis of the caller's layout
     hq, hk, hv = q.shape[axis], k.shape[axis], v.shape[axis]
     if hk != hv or hk == 0 or hq % hk:
-        raise ValueError(f"enable_gqa: q's heads ({hq}) must be a multiple of k's and v's ({hk}, {hv}), which are equal")
+        raise ValueError(f"enable_gqa: q's heads ({hq}) must be a multiple of k's and v's ({hk}, {hv}), "
+                         "which are equal")
     return hq // hk
 
 
@@ -261,16 +262,56 @@ def _call(fn_name, device, *args, **kwargs):
 
     with stream:
         result = getattr(fns, fn_name)(*map(convert, args), **{key: convert(x) for key, x in kwargs.items()})
-        return tuple(map(tensor, result)) if isinstance(result, tuple) else tensor(result)
+        return tuple(map(tensor, result))
+
+
+@torch.library.custom_op("cuflash::merge_attention", mutates_args=())
+def _merge(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    out, lse = _call("merge_attention", outs[0].device, outs, lses)
+    return out.to(outs[0].dtype), lse.to(torch.float32)
+
+
+@_merge.register_fake
+def _(outs, lses):
+    return _empty(outs[0], outs[0].shape), _empty(lses[0], lses[0].shape, torch.float32)
 
 
 def merge_attention(outs, lses):
     """``cuflash.merge_attention`` on torch tensors: parts (..., Nq, Dv) and their lse (..., Nq),
-    as sequences or stacked on a first axis. A plain function (not a custom op): no autograd,
-    and a graph break under ``torch.compile``."""
-    first = outs[0]
-    out, lse = _call("merge_attention", first.device, outs, lses)
-    return out.to(first.dtype), lse.to(torch.float32)
+    as sequences or stacked on a first axis. The custom op ``cuflash::merge_attention``, with no
+    autograd formula."""
+    outs, lses = (list(x.unbind(0) if isinstance(x, Tensor) else x) for x in (outs, lses))
+    if not outs:
+        raise ValueError("merge_attention needs at least one part")
+    return _merge(outs, lses)
+
+
+@torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor], v_new: Optional[Tensor],
+             cache_seqlens: Optional[Tensor], cache_length: Optional[int], block_table: Optional[Tensor], causal: bool,
+             window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
+             num_splits: Optional[int], check: bool, softcap: Optional[float], alibi_slopes: Optional[Tensor],
+             sinks: Optional[Tensor], groups: int) -> tuple[Tensor, Tensor]:
+    # k_new and v_new are written into the caches (declared mutated, as torch.compile must know)
+    q_, k_, v_ = _kernel_qkv(q, k_cache, v_cache, False, groups)
+    new = [x if x is None or groups == 1 else x.unsqueeze(-3) for x in (k_new, v_new)]
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    out, lse = _call("attention_kvcache", q.device, q_, k_, v_, k_new=new[0], v_new=new[1],
+                     cache_seqlens=cache_length if cache_seqlens is None else cache_seqlens, block_table=block_table,
+                     causal=causal, window=window, scale=scale, num_splits=num_splits, check=check, return_lse=True,
+                     softcap=softcap, alibi_slopes=_kernel_per_head(alibi_slopes, groups),
+                     sinks=_kernel_per_head(sinks, groups))
+    return _caller_rows(out.to(q.dtype), False, groups), _caller_lse(lse.to(torch.float32), groups)
+
+
+@_kvcache.register_fake
+def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_length, block_table, causal, window_left, window_right,
+      scale, num_splits, check, softcap, alibi_slopes, sinks, groups):
+    q_, k_, _ = _kernel_qkv(q, k_cache, v_cache, False, groups)
+    batch = (q_.shape[0], *torch.broadcast_shapes(q_.shape[1:-2], k_.shape[1:-2]))
+    out = _empty(q, (*batch, q_.shape[-2], v_cache.shape[-1]))
+    lse = _empty(q, (*batch, q_.shape[-2]), torch.float32)
+    return _caller_rows(out, False, groups), _caller_lse(lse, groups)
 
 
 def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
@@ -278,16 +319,13 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
                       enable_gqa=False, softcap=None, alibi_slopes=None, sinks=None):
     """``cuflash.attention_kvcache`` on torch tensors in SDPA's layout: q (B, Hq, Nq, D), caches
     (B, Hkv, Nmax, D / Dv) or paged (P, Hkv, page_size, D / Dv), k_new, v_new (B, Hkv, Nnew, D / Dv),
-    written into the caches in place. ``enable_gqa``, ``alibi_slopes`` and ``sinks`` as in
-    ``attention``. A plain function (not a custom op): no autograd, and a graph break under
-    ``torch.compile``."""
+    written into the caches in place. ``cache_seqlens`` an int or an int tensor (B,);
+    ``enable_gqa``, ``alibi_slopes`` and ``sinks`` as in ``attention``. The custom op
+    ``cuflash::attention_kvcache``, with no autograd formula."""
     groups = _groups(q, k_cache, v_cache, False, enable_gqa)
-    q_, k_, v_ = _kernel_qkv(q, k_cache, v_cache, False, groups)
-    new = [x if x is None or groups == 1 else x.unsqueeze(-3) for x in (k_new, v_new)]
-    result = _call("attention_kvcache", q.device, q_, k_, v_, k_new=new[0], v_new=new[1], cache_seqlens=cache_seqlens,
-                   block_table=block_table, causal=causal, window=window, scale=scale, num_splits=num_splits,
-                   check=check, return_lse=return_lse, softcap=softcap,
-                   alibi_slopes=_kernel_per_head(alibi_slopes, groups), sinks=_kernel_per_head(sinks, groups))
-    out, lse = result if return_lse else (result, None)
-    out = _caller_rows(out.to(q.dtype), False, groups)
-    return (out, _caller_lse(lse.to(torch.float32), groups)) if return_lse else out
+    left, right = _sides(window)
+    per_sequence = isinstance(cache_seqlens, Tensor)   # an op's argument is a tensor or an int, not either
+    out, lse = _kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens if per_sequence else None,
+                        None if per_sequence else cache_seqlens, block_table, causal, left, right, scale, num_splits,
+                        check, softcap, alibi_slopes, sinks, groups)
+    return (out, lse) if return_lse else out

@@ -203,15 +203,47 @@ def test_cpu_merge_matches_one_attention_over_all_keys():
     q, k, v = qkv(1, 2, 2, 6, 20, 8)
     whole = ct.attention(q, k, v, return_lse=True)
     parts = [ct.attention(q, k[..., r, :], v[..., r, :], return_lse=True) for r in (slice(0, 8), slice(8, 20))]
-    out, lse = ct.merge_attention([p[0] for p in parts], [p[1] for p in parts])
-    assert (out - whole[0]).abs().max().item() <= CPU_TOL
-    assert (lse - whole[1]).abs().max().item() <= CPU_TOL
+    for outs, lses in (([p[0] for p in parts], [p[1] for p in parts]),
+                       (torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))):
+        out, lse = ct.merge_attention(outs, lses)
+        assert (out - whole[0]).abs().max().item() <= CPU_TOL
+        assert (lse - whole[1]).abs().max().item() <= CPU_TOL
+    torch.library.opcheck(torch.ops.cuflash.merge_attention.default, ([p[0] for p in parts], [p[1] for p in parts]))
 
 
-def test_cpu_kvcache_matches_attention_over_the_cached_keys():
-    q, k, v = qkv(2, 8, 2, 1, 16, 8)
-    out = ct.attention_kvcache(q, k, v, cache_seqlens=torch.tensor([16, 16]), enable_gqa=True)
-    assert (out - ct.attention(q, k, v, enable_gqa=True)).abs().max().item() <= CPU_TOL
+def test_cpu_kvcache_appends_and_attends_over_the_cached_keys():
+    # float32 caches: NumPy shares their memory, so the reference's append lands in them
+    b, hq, hkv, nmax, d = 2, 8, 2, 16, 8
+    q = make((b, hq, 1, d), dtype=torch.float32, seed=1)
+    k_cache, v_cache = (make((b, hkv, nmax, d), dtype=torch.float32, seed=s) for s in (2, 3))
+    k_new, v_new = (make((b, hkv, 2, d), dtype=torch.float32, seed=s) for s in (4, 5))
+    lengths = torch.tensor([5, 9], dtype=torch.int32)
+    out, lse = ct.attention_kvcache(q, k_cache, v_cache, k_new=k_new, v_new=v_new, cache_seqlens=lengths,
+                                    enable_gqa=True, return_lse=True)
+    assert (out.shape, lse.shape) == ((b, hq, 1, d), (b, hq, 1))
+    for i, n in enumerate(lengths.tolist()):
+        assert torch.equal(k_cache[i, :, n:n + 2], k_new[i]) and torch.equal(v_cache[i, :, n:n + 2], v_new[i])
+        want = ct.attention(q[i:i + 1], k_cache[i:i + 1, :, :n + 2], v_cache[i:i + 1, :, :n + 2], enable_gqa=True)
+        assert (out[i:i + 1] - want).abs().max().item() <= CPU_TOL
+    same = ct.attention_kvcache(q, k_cache, v_cache, cache_seqlens=nmax, enable_gqa=True)
+    assert (same - ct.attention(q, k_cache, v_cache, enable_gqa=True)).abs().max().item() <= CPU_TOL
+    torch.library.opcheck(torch.ops.cuflash.attention_kvcache.default,
+                          (q, k_cache, v_cache, k_new, v_new, lengths, None, None, False, None, None, None, None,
+                           True, None, None, None, 4))
+
+
+def test_fake_kvcache_shapes():
+    with FakeTensorMode():
+        q = torch.empty((3, 8, 2, 64), device="cuda", dtype=torch.float16)
+        pages = torch.empty((10, 2, 16, 64), device="cuda", dtype=torch.float16)
+        table = torch.zeros((3, 4), device="cuda", dtype=torch.int32)
+        lengths = torch.zeros(3, device="cuda", dtype=torch.int32)
+        out, lse = ct.attention_kvcache(q, pages, pages, block_table=table, cache_seqlens=lengths, enable_gqa=True,
+                                        return_lse=True)
+        stacked = torch.empty((2, 3, 8, 2, 64), device="cuda"), torch.empty((2, 3, 8, 2), device="cuda")
+        parts = ct.merge_attention(*stacked)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((3, 8, 2, 64), torch.float16, (3, 8, 2), torch.float32)
+    assert [(x.shape, x.dtype) for x in parts] == [((3, 8, 2, 64), torch.float32), ((3, 8, 2), torch.float32)]
 
 
 def test_cpu_torch_compile_without_graph_breaks():
@@ -227,6 +259,25 @@ def test_cpu_torch_compile_without_graph_breaks():
     want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
     got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
     for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_cpu_kvcache_and_merge_compile_without_graph_breaks():
+    # the cache update is a declared mutation: the compiled step must leave the caches as eager does
+    q = make((2, 8, 1, 8), dtype=torch.float32, seed=1)
+    caches = [make((2, 2, 16, 8), dtype=torch.float32, seed=s) for s in (2, 3)]
+    new = [make((2, 2, 1, 8), dtype=torch.float32, seed=s) for s in (4, 5)]
+    lengths = torch.tensor([3, 7], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k_new, v_new):
+        first = ct.attention_kvcache(q, k_cache, v_cache, k_new=k_new, v_new=v_new, cache_seqlens=lengths,
+                                     enable_gqa=True, return_lse=True)
+        return ct.merge_attention([first[0], first[0]], [first[1], first[1]])
+
+    eager_caches = [c.clone() for c in caches]
+    want = step(q, *eager_caches, *new)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *caches, *new)
+    for a, b in zip((*got, *caches), (*want, *eager_caches)):
         assert torch.equal(a, b)
 
 
@@ -287,6 +338,27 @@ def test_gpu_agrees_with_the_cpu_path(case):
 
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), run("cuda", torch.float16),
                                run("cpu", torch.float64)):
+        assert got.shape == want.shape, name
+        scale = max(1.0, want.abs().max().item())
+        assert (got.cpu().double() - want.double()).abs().max().item() <= 1e-2 * scale, name
+
+
+@requires_gpu
+def test_gpu_kvcache_and_merge_agree_with_the_cpu_path():
+    q = make((3, 8, 2, 64), seed=1)
+    caches = [make((3, 2, 256, 64), seed=s) for s in (2, 3)]
+    new = [make((3, 2, 2, 64), seed=s) for s in (4, 5)]
+    lengths = torch.tensor([0, 100, 254], dtype=torch.int32)
+
+    def run(device, dtype):
+        q_, ks, vs, k_new, v_new = (x.to(device=device, dtype=dtype) for x in (q, *caches, *new))
+        out, lse = ct.attention_kvcache(q_, ks, vs, k_new=k_new, v_new=v_new, cache_seqlens=lengths.to(device),
+                                        enable_gqa=True, causal=True, return_lse=True)
+        merged = ct.merge_attention([out, out], [lse, lse])
+        return out, lse, *merged, ks, vs
+
+    for name, got, want in zip(("out", "lse", "merged out", "merged lse", "k_cache", "v_cache"),
+                               run("cuda", torch.float16), run("cpu", torch.float64)):
         assert got.shape == want.shape, name
         scale = max(1.0, want.abs().max().item())
         assert (got.cpu().double() - want.double()).abs().max().item() <= 1e-2 * scale, name
