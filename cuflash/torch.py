@@ -1,0 +1,331 @@
+"""cuflash on PyTorch tensors, as ``torch.library`` custom ops (docs/contract.md, "PyTorch adapter").
+
+Tensors are in the layout of ``torch.nn.functional.scaled_dot_product_attention``, (B, H, N, D),
+or (total, H, D) for packed sequences. CUDA tensors reach cuflash's kernels through DLPack, with
+no copy, on torch's current stream; CPU tensors run ``cuflash.reference`` (NumPy float64, cast
+back), slow but exact, so that the adapter can be checked without a GPU.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch
+except ImportError as err:
+    raise ImportError("cuflash.torch needs PyTorch: pip install torch") from err
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+from torch import Tensor
+
+from . import _api, _checks, reference
+
+__all__ = ["attention", "attention_kvcache", "merge_attention"]
+
+
+def _host_array(t):
+    """A CPU tensor as the reference reads it: the same memory, but bfloat16 (which NumPy
+    lacks) as float32, exact, since the reference computes in float64."""
+    t = t.detach()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _host_tensor(x):
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _backend(device):
+    """(the functions, tensor -> array, array -> tensor, the context to call them in) for a device."""
+    if device.type == "cuda":
+        cupy = _checks.require_cupy()
+        # torch's current stream, so that the kernels are ordered with torch's work and nobody waits
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+        return _api, lambda t: cupy.from_dlpack(t.detach()), torch.from_dlpack, stream
+    if device.type == "cpu":
+        return reference, _host_array, _host_tensor, contextlib.nullcontext()
+    raise ValueError(f"cuflash.torch runs on CUDA (or, through cuflash.reference, CPU) tensors, not {device.type}")
+
+
+# Layouts. The caller's: q (B, Hq, N, D) or packed (total, Hq, D); lse (B, Hq, N) or packed
+# (Hq, total). cuflash's: heads before rows, (..., H, N, D); with `groups` query heads per key
+# head, q (..., Hkv, G, N, D) against k, v (..., Hkv, 1, N, D). Every change is a view.
+
+def _kernel_qkv(q, k, v, packed, groups):
+    if packed:
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    if groups > 1:
+        q, k, v = q.unflatten(-3, (-1, groups)), k.unsqueeze(-3), v.unsqueeze(-3)
+    return q, k, v
+
+
+def _caller_rows(x, packed, groups, grouped=True):
+    """out, dq (grouped) or dk, dv from cuflash's layout back to the caller's."""
+    if groups > 1:
+        x = x.flatten(-4, -3) if grouped else x.squeeze(-3)
+    return x.transpose(0, 1) if packed else x
+
+
+def _kernel_rows(x, packed, groups):
+    """out or dout from the caller's layout to cuflash's (the inverse of _caller_rows)."""
+    if packed:
+        x = x.transpose(0, 1)
+    return x.unflatten(-3, (-1, groups)) if groups > 1 else x
+
+
+def _kernel_lse(lse, groups):
+    return lse.unflatten(-2, (-1, groups)) if groups > 1 else lse
+
+
+def _caller_lse(lse, groups):
+    return lse.flatten(-3, -2) if groups > 1 else lse
+
+
+def _kernel_per_head(x, groups):
+    """ALiBi slopes or sinks, one per query head on the last axis (or broadcast along it), as
+    cuflash's batch dims (..., Hkv, G) take them."""
+    if x is None or groups == 1 or x.dim() == 0:
+        return x
+    return x.unsqueeze(-1) if x.shape[-1] == 1 else x.unflatten(-1, (-1, groups))
+
+
+def _keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
+              scale, softcap, alibi_slopes, sinks, groups, check):
+    """The keywords that cuflash's attention and attention_backward share, from the ops' arguments."""
+    def opt(x):
+        return None if x is None else array(x)
+
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    return dict(causal=causal, window=window, scale=scale, cu_seqlens_q=opt(cu_seqlens_q),
+                cu_seqlens_k=opt(cu_seqlens_k), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, check=check,
+                softcap=softcap, alibi_slopes=opt(_kernel_per_head(alibi_slopes, groups)),
+                sinks=opt(_kernel_per_head(sinks, groups)))
+
+
+def _empty(like, shape, dtype=None):
+    return like.new_empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+@torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                   max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
+                   window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
+                   softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                   groups: int, check: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
+    # deterministic is the backward's, kept here because the autograd formula sees only these inputs
+    packed = cu_seqlens_q is not None
+    fns, array, tensor, stream = _backend(q.device)
+    qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
+    with stream:
+        out, lse = fns.attention(array(qk), array(kk), array(vk), return_lse=True, **_keywords(
+            array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
+            softcap, alibi_slopes, sinks, groups, check))
+        out, lse = tensor(out).to(q.dtype), tensor(lse).to(torch.float32)
+    return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
+      softcap, alibi_slopes, sinks, groups, check, deterministic):
+    packed = cu_seqlens_q is not None
+    qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
+    batch = torch.broadcast_shapes(qk.shape[:-2], kk.shape[:-2], vk.shape[:-2])
+    out = _empty(q, (*batch, qk.shape[-2], vk.shape[-1]))
+    lse = _empty(q, (*batch, qk.shape[-2]), torch.float32)
+    return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
+
+
+@torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
+def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                   max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
+                   window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
+                   softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                   groups: int, check: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, and dsinks (empty without sinks: an op's outputs cannot be None)."""
+    packed = cu_seqlens_q is not None
+    fns, array, tensor, stream = _backend(q.device)
+    qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
+    # torch's switch can only ask for more determinism, as it does of torch's own kernels
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    with stream:
+        grads = fns.attention_backward(
+            array(_kernel_rows(dout, packed, groups)), array(qk), array(kk), array(vk),
+            array(_kernel_rows(out, packed, groups)), array(_kernel_lse(lse, groups)), deterministic=deterministic,
+            **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+                        window_right, scale, softcap, alibi_slopes, sinks, groups, check))
+        dq, dk, dv = (tensor(g).to(q.dtype) for g in grads[:3])
+        dsinks = (tensor(grads[3]).to(torch.float32).reshape(sinks.shape) if sinks is not None
+                  else _empty(q, (0,), torch.float32))
+    return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
+            _caller_rows(dv, packed, groups, grouped=False), dsinks)
+
+
+@_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+      window_right, scale, softcap, alibi_slopes, sinks, groups, check, deterministic):
+    packed = cu_seqlens_q is not None
+    # as the kernels return them: contiguous in cuflash's layout, then viewed as the caller's
+    dq, dk, dv = (_empty(q, x.shape) for x in _kernel_qkv(q, k, v, packed, groups))
+    dsinks = _empty(q, (0,) if sinks is None else sinks.shape, torch.float32)
+    return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
+            _caller_rows(dv, packed, groups, grouped=False), dsinks)
+
+
+_FWD_INPUTS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal", "window_left",
+               "window_right", "scale", "softcap", "alibi_slopes", "sinks", "groups", "check", "deterministic")
+
+
+def _setup_context(ctx, inputs, output):
+    args = dict(zip(_FWD_INPUTS, inputs))
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["cu_seqlens_q"], args["cu_seqlens_k"],
+                          args["alibi_slopes"], args["sinks"])
+    ctx.args = {name: args[name] for name in _FWD_INPUTS[5:] if name not in ("alibi_slopes", "sinks")}
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    rest = {name: ctx.args.get(name) for name in _FWD_INPUTS[5:]}
+    rest["alibi_slopes"], rest["sinks"] = alibi_slopes, sinks
+    dq, dk, dv, dsinks = _attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *rest.values())
+    grads = dict(q=dq, k=dk, v=dv, sinks=None if sinks is None else dsinks)
+    return tuple(grads.get(name) for name in _FWD_INPUTS)
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _sides(window):
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right), got {window!r}")
+    return tuple(window)
+
+
+def _groups(q, k, v, packed, enable_gqa):
+    """Query heads per key head (1 without enable_gqa), after checking the layout's ranks."""
+    rank, layout = (3, "(total, H, D)") if packed else (4, "(B, H, N, D)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != rank:
+            raise ValueError(f"{name} must be {layout}{' (packed sequences)' if packed else ''}, got shape "
+                             f"{tuple(x.shape)}")
+    if not enable_gqa:
+        return 1
+    axis = 1 if packed else 1 - rank  # the heads axis of the caller's layout
+    hq, hk, hv = q.shape[axis], k.shape[axis], v.shape[axis]
+    if hk != hv or hk == 0 or hq % hk:
+        raise ValueError(f"enable_gqa: q's heads ({hq}) must be a multiple of k's and v's ({hk}, {hv}), "
+                         "which are equal")
+    return hq // hk
+
+
+def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False, enable_gqa=False,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
+              softcap=None, alibi_slopes=None, sinks=None, deterministic=True):
+    """``cuflash.attention`` on torch tensors in SDPA's layout, differentiable.
+
+    q (B, Hq, N, D), k, v (B, Hkv, Nk, D / Dv); packed sequences (both ``cu_seqlens_q`` and
+    ``cu_seqlens_k``, int32 tensors of shape (S + 1,)): q (total_q, Hq, D), k, v (total_k, Hkv, D).
+    ``enable_gqa`` as in SDPA: query head h attends key head ``h // (Hq / Hkv)``. ``alibi_slopes``
+    and ``sinks`` (float32) one per query head on their last axis, usually (Hq,). The other
+    keywords are ``cuflash.attention``'s; ``deterministic`` is the backward's
+    (``cuflash.attention_backward``), and ``torch.use_deterministic_algorithms(True)`` forces it.
+
+    Returns out (B, Hq, N, Dv) or packed (total_q, Hq, Dv), and with ``return_lse`` also lse,
+    float32, (B, Hq, N) or packed (Hq, total_q), not differentiable. Gradients reach q, k, v
+    and sinks.
+    """
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError("packed sequences need both cu_seqlens_q and cu_seqlens_k")
+    groups = _groups(q, k, v, packed, enable_gqa)
+    left, right = _sides(window)
+    out, lse = _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right,
+                              scale, softcap, alibi_slopes, sinks, groups, check, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _call(fn_name, device, *args, **kwargs):
+    """A cuflash function of the device's backend on converted tensors (None and non-tensors
+    pass as they are); its array results back as tensors."""
+    fns, array, tensor, stream = _backend(device)
+
+    def convert(x):
+        if isinstance(x, (list, tuple)):
+            return [convert(y) for y in x]
+        return array(x) if isinstance(x, Tensor) else x
+
+    with stream:
+        result = getattr(fns, fn_name)(*map(convert, args), **{key: convert(x) for key, x in kwargs.items()})
+        return tuple(map(tensor, result))
+
+
+@torch.library.custom_op("cuflash::merge_attention", mutates_args=())
+def _merge(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    out, lse = _call("merge_attention", outs[0].device, outs, lses)
+    return out.to(outs[0].dtype), lse.to(torch.float32)
+
+
+@_merge.register_fake
+def _(outs, lses):
+    return _empty(outs[0], outs[0].shape), _empty(lses[0], lses[0].shape, torch.float32)
+
+
+def merge_attention(outs, lses):
+    """``cuflash.merge_attention`` on torch tensors: parts (..., Nq, Dv) and their lse (..., Nq),
+    as sequences or stacked on a first axis. The custom op ``cuflash::merge_attention``, with no
+    autograd formula."""
+    outs, lses = (list(x.unbind(0) if isinstance(x, Tensor) else x) for x in (outs, lses))
+    if not outs:
+        raise ValueError("merge_attention needs at least one part")
+    return _merge(outs, lses)
+
+
+@torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor], v_new: Optional[Tensor],
+             cache_seqlens: Optional[Tensor], cache_length: Optional[int], block_table: Optional[Tensor], causal: bool,
+             window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
+             num_splits: Optional[int], check: bool, softcap: Optional[float], alibi_slopes: Optional[Tensor],
+             sinks: Optional[Tensor], groups: int) -> tuple[Tensor, Tensor]:
+    # k_new and v_new are written into the caches (declared mutated, as torch.compile must know)
+    q_, k_, v_ = _kernel_qkv(q, k_cache, v_cache, False, groups)
+    new = [x if x is None or groups == 1 else x.unsqueeze(-3) for x in (k_new, v_new)]
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    out, lse = _call("attention_kvcache", q.device, q_, k_, v_, k_new=new[0], v_new=new[1],
+                     cache_seqlens=cache_length if cache_seqlens is None else cache_seqlens, block_table=block_table,
+                     causal=causal, window=window, scale=scale, num_splits=num_splits, check=check, return_lse=True,
+                     softcap=softcap, alibi_slopes=_kernel_per_head(alibi_slopes, groups),
+                     sinks=_kernel_per_head(sinks, groups))
+    return _caller_rows(out.to(q.dtype), False, groups), _caller_lse(lse.to(torch.float32), groups)
+
+
+@_kvcache.register_fake
+def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_length, block_table, causal, window_left, window_right,
+      scale, num_splits, check, softcap, alibi_slopes, sinks, groups):
+    q_, k_, _ = _kernel_qkv(q, k_cache, v_cache, False, groups)
+    batch = (q_.shape[0], *torch.broadcast_shapes(q_.shape[1:-2], k_.shape[1:-2]))
+    out = _empty(q, (*batch, q_.shape[-2], v_cache.shape[-1]))
+    lse = _empty(q, (*batch, q_.shape[-2]), torch.float32)
+    return _caller_rows(out, False, groups), _caller_lse(lse, groups)
+
+
+def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
+                      causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False,
+                      enable_gqa=False, softcap=None, alibi_slopes=None, sinks=None):
+    """``cuflash.attention_kvcache`` on torch tensors in SDPA's layout: q (B, Hq, Nq, D), caches
+    (B, Hkv, Nmax, D / Dv) or paged (P, Hkv, page_size, D / Dv), k_new, v_new (B, Hkv, Nnew, D / Dv),
+    written into the caches in place. ``cache_seqlens`` an int or an int tensor (B,);
+    ``enable_gqa``, ``alibi_slopes`` and ``sinks`` as in ``attention``. The custom op
+    ``cuflash::attention_kvcache``, with no autograd formula."""
+    groups = _groups(q, k_cache, v_cache, False, enable_gqa)
+    left, right = _sides(window)
+    per_sequence = isinstance(cache_seqlens, Tensor)   # an op's argument is a tensor or an int, not either
+    out, lse = _kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens if per_sequence else None,
+                        None if per_sequence else cache_seqlens, block_table, causal, left, right, scale, num_splits,
+                        check, softcap, alibi_slopes, sinks, groups)
+    return (out, lse) if return_lse else out

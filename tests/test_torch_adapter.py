@@ -1,0 +1,416 @@
+"""cuflash.torch, the PyTorch adapter (docs/contract.md, "PyTorch adapter").
+
+Without a GPU: the imports (cuflash never imports torch; cuflash.torch without torch says how
+to install it), the fake kernels' shapes, dtypes and strides, the argument errors, and the
+whole autograd path on CPU tensors, where the ops run cuflash.reference: forward and gradients
+against torch's scaled_dot_product_attention in float64, GQA, packed sequences, sinks, and
+torch.library.opcheck. On a GPU: the same against SDPA in float64 for the kernels, opcheck,
+zero-copy and the stream, and torch.compile(fullgraph=True).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import requires_gpu
+
+torch = pytest.importorskip("torch", reason="cuflash.torch needs PyTorch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+import cuflash.torch as ct  # noqa: E402
+
+
+def run_python(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_importing_cuflash_does_not_import_torch():
+    done = run_python("import sys, cuflash; print('torch' in sys.modules)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_without_torch_the_adapter_says_how_to_install_it():
+    done = run_python("import sys; sys.modules['torch'] = None\n"
+                      "try:\n    import cuflash.torch\nexcept ImportError as err:\n    print(err)")
+    assert done.returncode == 0, done.stderr
+    assert "pip install torch" in done.stdout
+
+
+def make(shape, dtype=torch.float64, device="cpu", grad=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device).requires_grad_(grad)
+
+
+def qkv(b, hq, hkv, nq, nk, d, dv=None, **kw):
+    return (make((b, hq, nq, d), seed=1, **kw), make((b, hkv, nk, d), seed=2, **kw),
+            make((b, hkv, nk, dv or d), seed=3, **kw))
+
+
+# The fake kernels: shapes, dtypes and strides (those of the real kernels' results) without
+# running anything; "cuda" fake tensors need no GPU.
+
+FAKE_CASES = {
+    "plain": dict(shapes=((2, 4, 64, 32), (2, 4, 80, 32), (2, 4, 80, 48)), kw={}, out=(2, 4, 64, 48), lse=(2, 4, 64)),
+    "gqa": dict(shapes=((2, 8, 64, 32), (2, 2, 80, 32), (2, 2, 80, 32)), kw=dict(enable_gqa=True),
+                out=(2, 8, 64, 32), lse=(2, 8, 64)),
+    "packed": dict(shapes=((100, 8, 64), (120, 2, 64), (120, 2, 64)), kw=dict(enable_gqa=True, packed=True),
+                   out=(100, 8, 64), lse=(8, 100)),
+}
+
+
+def fake_call(case, dtype, device):
+    c = FAKE_CASES[case]
+    kw = dict(c["kw"])
+    q, k, v = (torch.empty(s, dtype=dtype, device=device, requires_grad=True) for s in c["shapes"])
+    if kw.pop("packed", False):
+        kw["cu_seqlens_q"] = torch.tensor([0, 60, 100], dtype=torch.int32, device=device)
+        kw["cu_seqlens_k"] = torch.tensor([0, 50, 120], dtype=torch.int32, device=device)
+    return (q, k, v), ct.attention(q, k, v, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("case", FAKE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fake_kernels_give_the_shapes_and_dtypes(case, dtype):
+    with FakeTensorMode():   # "cuda" fake tensors need no GPU
+        _, (out, lse) = fake_call(case, dtype, "cuda")
+    assert (out.shape, out.dtype, out.device.type) == (FAKE_CASES[case]["out"], dtype, "cuda")
+    assert (lse.shape, lse.dtype) == (FAKE_CASES[case]["lse"], torch.float32)
+    assert not lse.requires_grad and out.requires_grad
+
+
+@pytest.mark.parametrize("case", FAKE_CASES)
+def test_fake_gradients_have_the_inputs_shapes(case):
+    # the autograd engine needs a real device for "cuda" fake tensors: meta tensors use the fake kernels too
+    inputs, (out, _) = fake_call(case, torch.float16, "meta")
+    grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+    assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in inputs]
+
+
+def test_fake_sinks_gradient_has_the_sinks_shape():
+    q, k, v = (torch.empty((1, 4, 16, 32), device="meta", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    sinks = torch.empty(4, device="meta", requires_grad=True)
+    (dsinks,) = torch.autograd.grad(ct.attention(q, k, v, sinks=sinks).sum(), (sinks,))
+    assert (dsinks.shape, dsinks.dtype) == ((4,), torch.float32)
+
+
+@pytest.mark.parametrize("shapes, kw, match", [
+    (((2, 4, 16), (2, 4, 16, 8), (2, 4, 16, 8)), {}, r"q must be \(B, H, N, D\)"),
+    (((2, 4, 16, 8),) * 3, dict(cu_seqlens_q=torch.tensor([0, 16], dtype=torch.int32),
+                                cu_seqlens_k=torch.tensor([0, 16], dtype=torch.int32)), r"\(total, H, D\)"),
+    (((16, 4, 8),) * 3, dict(cu_seqlens_q=torch.tensor([0, 16], dtype=torch.int32)), "both cu_seqlens_q and"),
+    (((2, 6, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8)), dict(enable_gqa=True), "multiple"),
+    (((2, 4, 16, 8),) * 3, dict(window=(1, 2, 3)), "window must be a pair"),
+])
+def test_argument_errors_raise_before_any_launch(shapes, kw, match):
+    # meta tensors: nothing could run on them, so the error comes from the checks
+    q, k, v = (torch.empty(s, device="meta") for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        ct.attention(q, k, v, **kw)
+
+
+def test_tensors_only():
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ct.attention(q.numpy(), q, q)
+
+
+# The autograd path end to end on CPU tensors (cuflash.reference), against SDPA in float64.
+
+def sdpa_grads(q, k, v, dout, **kw):
+    out = F.scaled_dot_product_attention(q, k, v, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def ours_grads(q, k, v, dout, **kw):
+    out = ct.attention(q, k, v, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def assert_all_close(got, want, tol):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape, name
+        assert (a.double() - b.double()).abs().max().item() <= tol, name
+
+
+# lse is float32, so gradients through the reference are good to float32's precision
+CPU_TOL = 1e-5
+
+
+@pytest.mark.parametrize("hq, hkv, causal", [(4, 4, False), (4, 4, True), (8, 2, False), (8, 2, True), (6, 1, True)])
+def test_cpu_forward_and_gradients_match_sdpa(hq, hkv, causal):
+    q, k, v = qkv(2, hq, hkv, 24, 24, 16, 8, grad=True)
+    dout = make((2, hq, 24, 8), seed=4)
+    kw = dict(is_causal=causal, enable_gqa=hkv != hq)
+    want = sdpa_grads(q, k, v, dout, **kw)
+    got = ours_grads(q, k, v, dout, causal=causal, enable_gqa=hkv != hq)
+    assert_all_close(got, want, CPU_TOL)
+
+
+def test_cpu_views_in_the_bnhd_layout():
+    # (B, N, H, D) tensors transposed to (B, H, N, D), as models hold them
+    q, k, v = (make((2, 24, h, 16), seed=s).transpose(1, 2).requires_grad_() for s, h in ((1, 8), (2, 2), (3, 2)))
+    dout = make((2, 8, 24, 16), seed=4)
+    assert_all_close(ours_grads(q, k, v, dout, enable_gqa=True), sdpa_grads(q, k, v, dout, enable_gqa=True), CPU_TOL)
+
+
+def test_cpu_packed_sequences_match_sdpa_per_sequence():
+    lens_q, lens_k, hq, hkv = (5, 9, 3), (7, 9, 4), 4, 2
+    cu_q = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 16, 20], dtype=torch.int32)
+    q = make((17, hq, 16), seed=1, grad=True)
+    k, v = make((20, hkv, 16), seed=2, grad=True), make((20, hkv, 16), seed=3, grad=True)
+    dout = make((17, hq, 16), seed=4)
+    out, lse = ct.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, enable_gqa=True, return_lse=True)
+    assert lse.shape == (hq, 17)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    for s in range(3):
+        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        per = [x[r].transpose(0, 1).unsqueeze(0) for x, r in ((q, rq), (k, rk), (v, rk))]
+        want = sdpa_grads(*per, dout[rq].transpose(0, 1).unsqueeze(0), enable_gqa=True)
+        want = [w.squeeze(0).transpose(0, 1) for w in want]
+        assert_all_close([g[r] for g, r in zip(got, (rq, rq, rk, rk))], want, CPU_TOL)
+
+
+def test_cpu_sinks_gradient_matches_the_sink_as_an_extra_key():
+    # a sink is a key of logit z and value 0: SDPA over a zero-valued extra column gives the same
+    b, h, n, d = 1, 4, 12, 8
+    q, k, v = qkv(b, h, h, n, n, d, grad=True)
+    sinks = make((h,), dtype=torch.float32, seed=5, grad=True)
+    dout = make((b, h, n, d), seed=4)
+    out = ct.attention(q, k, v, sinks=sinks)
+    got = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    scale = d ** -0.5
+    scores = torch.cat([q @ k.transpose(-1, -2) * scale, sinks.view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
+    want_out = scores.softmax(-1)[..., :n] @ v
+    want = torch.autograd.grad(want_out, (q, k, v, sinks), dout)
+    assert (out - want_out).abs().max().item() <= CPU_TOL
+    for a, w in zip(got, want):
+        assert (a - w).abs().max().item() <= CPU_TOL
+
+
+def test_cpu_opcheck():
+    q, k, v = qkv(1, 4, 2, 8, 8, 16, grad=True)
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default,
+                          (q, k, v, None, None, None, None, True, None, None, None, None, None, None, 2, True, True))
+
+
+def test_cpu_merge_matches_one_attention_over_all_keys():
+    q, k, v = qkv(1, 2, 2, 6, 20, 8)
+    whole = ct.attention(q, k, v, return_lse=True)
+    parts = [ct.attention(q, k[..., r, :], v[..., r, :], return_lse=True) for r in (slice(0, 8), slice(8, 20))]
+    for outs, lses in (([p[0] for p in parts], [p[1] for p in parts]),
+                       (torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))):
+        out, lse = ct.merge_attention(outs, lses)
+        assert (out - whole[0]).abs().max().item() <= CPU_TOL
+        assert (lse - whole[1]).abs().max().item() <= CPU_TOL
+    torch.library.opcheck(torch.ops.cuflash.merge_attention.default, ([p[0] for p in parts], [p[1] for p in parts]))
+
+
+def test_cpu_kvcache_appends_and_attends_over_the_cached_keys():
+    # float32 caches: NumPy shares their memory, so the reference's append lands in them
+    b, hq, hkv, nmax, d = 2, 8, 2, 16, 8
+    q = make((b, hq, 1, d), dtype=torch.float32, seed=1)
+    k_cache, v_cache = (make((b, hkv, nmax, d), dtype=torch.float32, seed=s) for s in (2, 3))
+    k_new, v_new = (make((b, hkv, 2, d), dtype=torch.float32, seed=s) for s in (4, 5))
+    lengths = torch.tensor([5, 9], dtype=torch.int32)
+    out, lse = ct.attention_kvcache(q, k_cache, v_cache, k_new=k_new, v_new=v_new, cache_seqlens=lengths,
+                                    enable_gqa=True, return_lse=True)
+    assert (out.shape, lse.shape) == ((b, hq, 1, d), (b, hq, 1))
+    for i, n in enumerate(lengths.tolist()):
+        assert torch.equal(k_cache[i, :, n:n + 2], k_new[i]) and torch.equal(v_cache[i, :, n:n + 2], v_new[i])
+        want = ct.attention(q[i:i + 1], k_cache[i:i + 1, :, :n + 2], v_cache[i:i + 1, :, :n + 2], enable_gqa=True)
+        assert (out[i:i + 1] - want).abs().max().item() <= CPU_TOL
+    same = ct.attention_kvcache(q, k_cache, v_cache, cache_seqlens=nmax, enable_gqa=True)
+    assert (same - ct.attention(q, k_cache, v_cache, enable_gqa=True)).abs().max().item() <= CPU_TOL
+    torch.library.opcheck(torch.ops.cuflash.attention_kvcache.default,
+                          (q, k_cache, v_cache, k_new, v_new, lengths, None, None, False, None, None, None, None,
+                           True, None, None, None, 4))
+
+
+def test_fake_kvcache_shapes():
+    with FakeTensorMode():
+        q = torch.empty((3, 8, 2, 64), device="cuda", dtype=torch.float16)
+        pages = torch.empty((10, 2, 16, 64), device="cuda", dtype=torch.float16)
+        table = torch.zeros((3, 4), device="cuda", dtype=torch.int32)
+        lengths = torch.zeros(3, device="cuda", dtype=torch.int32)
+        out, lse = ct.attention_kvcache(q, pages, pages, block_table=table, cache_seqlens=lengths, enable_gqa=True,
+                                        return_lse=True)
+        stacked = torch.empty((2, 3, 8, 2, 64), device="cuda"), torch.empty((2, 3, 8, 2), device="cuda")
+        parts = ct.merge_attention(*stacked)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((3, 8, 2, 64), torch.float16, (3, 8, 2), torch.float32)
+    assert [(x.shape, x.dtype) for x in parts] == [((3, 8, 2, 64), torch.float32), ((3, 8, 2), torch.float32)]
+
+
+def test_cpu_torch_compile_without_graph_breaks():
+    # aot_eager traces the forward and backward graphs through the fake kernels and the autograd
+    # formula, as inductor would, without compiling C++
+    q, k, v = qkv(1, 8, 2, 16, 16, 8, grad=True)
+    sinks = make((8,), dtype=torch.float32, seed=5, grad=True)
+
+    def loss(q, k, v, sinks):
+        return ct.attention(q, k, v, causal=True, enable_gqa=True, sinks=sinks, window=(4, None)).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
+    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_cpu_kvcache_and_merge_compile_without_graph_breaks():
+    # the cache update is a declared mutation: the compiled step must leave the caches as eager does
+    q = make((2, 8, 1, 8), dtype=torch.float32, seed=1)
+    caches = [make((2, 2, 16, 8), dtype=torch.float32, seed=s) for s in (2, 3)]
+    new = [make((2, 2, 1, 8), dtype=torch.float32, seed=s) for s in (4, 5)]
+    lengths = torch.tensor([3, 7], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k_new, v_new):
+        first = ct.attention_kvcache(q, k_cache, v_cache, k_new=k_new, v_new=v_new, cache_seqlens=lengths,
+                                     enable_gqa=True, return_lse=True)
+        return ct.merge_attention([first[0], first[0]], [first[1], first[1]])
+
+    eager_caches = [c.clone() for c in caches]
+    want = step(q, *eager_caches, *new)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *caches, *new)
+    for a, b in zip((*got, *caches), (*want, *eager_caches)):
+        assert torch.equal(a, b)
+
+
+# On a GPU: the kernels through DLPack on torch's stream.
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("hq, hkv, causal", [(8, 8, False), (8, 8, True), (8, 2, True), (16, 1, False)])
+def test_gpu_forward_and_gradients_as_accurate_as_sdpa(dtype, hq, hkv, causal):
+    # the accuracy criterion with SDPA in the dtype for the baseline: c = 2 forward, 3 for the gradients
+    q, k, v = qkv(2, hq, hkv, 256, 256, 64, device="cuda", dtype=dtype, grad=True)
+    dout = make((2, hq, 256, 64), device="cuda", dtype=dtype, seed=4)
+    kw = dict(is_causal=causal, enable_gqa=hkv != hq)
+    ref = sdpa_grads(*(x.detach().double().requires_grad_() for x in (q, k, v)), dout.double(), **kw)
+    theirs = sdpa_grads(q, k, v, dout, **kw)
+    ours = ours_grads(q, k, v, dout, causal=causal, enable_gqa=hkv != hq)
+    ulp = torch.finfo(dtype).eps
+    for name, c, o, t, r in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3), ours, theirs, ref):
+        assert o.dtype == dtype and o.shape == r.shape, name
+        err, their_err = ((x.double() - r).abs().max().item() for x in (o, t))
+        assert err <= c * their_err + 4 * ulp * max(1.0, r.abs().max().item()), name
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", ["packed", "sinks", "alibi_window", "bnhd_view"])
+def test_gpu_agrees_with_the_cpu_path(case):
+    # the CPU path (cuflash.reference, float64) checked against SDPA above; here the kernels against it,
+    # within float16's error at the results' scale
+    hq, hkv = 8, 2
+    kw = dict(enable_gqa=True, causal=True)
+    if case == "packed":
+        shapes = ((300, hq, 64), (340, hkv, 64), (340, hkv, 64))
+        kw.update(cu_seqlens_q=torch.tensor([0, 100, 300], dtype=torch.int32),
+                  cu_seqlens_k=torch.tensor([0, 140, 340], dtype=torch.int32))
+    else:
+        shapes = ((2, hq, 200, 64), (2, hkv, 240, 64), (2, hkv, 240, 64))
+    if case == "sinks":
+        kw["sinks"] = make((hq,), dtype=torch.float32, seed=5)
+    if case == "alibi_window":
+        kw.update(alibi_slopes=make((hq,), dtype=torch.float32, seed=5).abs(), window=(64, None), softcap=30.0)
+    inputs = [make(shape, seed=i) for i, shape in enumerate(shapes)]
+    if case == "bnhd_view":
+        inputs = [make(shape[:1] + shape[2:3] + shape[1:2] + shape[3:], seed=i).transpose(1, 2)
+                  for i, shape in enumerate(shapes)]
+    dout = make(shapes[0], seed=9)
+
+    def run(device, dtype):
+        xs = [x.to(device=device, dtype=dtype).requires_grad_() for x in inputs]
+        opts = {key: x.to(device) if isinstance(x, torch.Tensor) else x for key, x in kw.items()}
+        if "sinks" in opts:
+            opts["sinks"].requires_grad_()
+        out, lse = ct.attention(*xs, return_lse=True, **opts)
+        wrt = xs + ([opts["sinks"]] if "sinks" in opts else [])
+        return [out, lse, *torch.autograd.grad(out, wrt, dout.to(device=device, dtype=dtype))]
+
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), run("cuda", torch.float16),
+                               run("cpu", torch.float64)):
+        assert got.shape == want.shape, name
+        scale = max(1.0, want.abs().max().item())
+        assert (got.cpu().double() - want.double()).abs().max().item() <= 1e-2 * scale, name
+
+
+@requires_gpu
+def test_gpu_kvcache_and_merge_agree_with_the_cpu_path():
+    q = make((3, 8, 2, 64), seed=1)
+    caches = [make((3, 2, 256, 64), seed=s) for s in (2, 3)]
+    new = [make((3, 2, 2, 64), seed=s) for s in (4, 5)]
+    lengths = torch.tensor([0, 100, 254], dtype=torch.int32)
+
+    def run(device, dtype):
+        q_, ks, vs, k_new, v_new = (x.to(device=device, dtype=dtype) for x in (q, *caches, *new))
+        out, lse = ct.attention_kvcache(q_, ks, vs, k_new=k_new, v_new=v_new, cache_seqlens=lengths.to(device),
+                                        enable_gqa=True, causal=True, return_lse=True)
+        merged = ct.merge_attention([out, out], [lse, lse])
+        return out, lse, *merged, ks, vs
+
+    for name, got, want in zip(("out", "lse", "merged out", "merged lse", "k_cache", "v_cache"),
+                               run("cuda", torch.float16), run("cpu", torch.float64)):
+        assert got.shape == want.shape, name
+        scale = max(1.0, want.abs().max().item())
+        assert (got.cpu().double() - want.double()).abs().max().item() <= 1e-2 * scale, name
+
+
+@requires_gpu
+def test_gpu_opcheck():
+    q, k, v = qkv(1, 8, 2, 128, 128, 64, device="cuda", dtype=torch.float16, grad=True)
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default,
+                          (q, k, v, None, None, None, None, True, None, None, None, None, None, None, 4, True, True))
+    cu = torch.tensor([0, 50, 128], dtype=torch.int32, device="cuda")
+    packed = [x[0].transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default,
+                          (*packed, cu, cu, None, None, False, None, None, None, None, None, None, 4, False, True))
+
+
+@requires_gpu
+def test_gpu_inputs_reach_the_kernels_without_a_copy_on_torch_stream(monkeypatch):
+    import cupy
+
+    q, k, v = qkv(1, 4, 4, 128, 128, 64, device="cuda", dtype=torch.float16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())   # q, k, v were written on the default stream
+    seen = []
+    real_from_dlpack = cupy.from_dlpack
+
+    def spy(t):
+        array = real_from_dlpack(t)
+        seen.append((t.data_ptr(), array.data.ptr, cupy.cuda.get_current_stream().ptr))
+        return array
+
+    monkeypatch.setattr(cupy, "from_dlpack", spy)
+    with torch.cuda.stream(stream):
+        out = ct.attention(q, k, v)
+    assert [s[:2] for s in seen] == [(x.data_ptr(),) * 2 for x in (q, k, v)]
+    assert {s[2] for s in seen} == {stream.cuda_stream}
+    stream.synchronize()
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=2e-3)
+
+
+@requires_gpu
+def test_gpu_torch_compile_fullgraph():
+    q, k, v = qkv(2, 8, 2, 128, 128, 64, device="cuda", dtype=torch.float16, grad=True)
+    sinks = make((8,), device="cuda", dtype=torch.float32, seed=5, grad=True)
+    weights = make((2, 8, 128, 64), device="cuda", dtype=torch.float16, seed=6)
+
+    def loss(q, k, v, sinks):
+        # linear in out: dout is exactly `weights` in both runs, so the gradients are bitwise the same
+        return (ct.attention(q, k, v, causal=True, enable_gqa=True, sinks=sinks) * weights).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
+    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
