@@ -213,7 +213,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         if sinks is None:
             return grads
         if plan.launches.runs:
-            dsinks = _score_mods.dsinks(cupy, sinks, lse, delta, plan.shapes[3][:-1])
+            dsinks = _score_mods.dsinks(cupy, entries[1], sinks.shape, lse, delta)
         else:   # no query, or no key: every row's out is 0, so nothing reaches the sinks
             dsinks = cupy.zeros(sinks.shape, dtype=cupy.float32)
         return grads + (dsinks,)

@@ -321,7 +321,7 @@ def kvcache_launches(x) -> KVCacheLaunches:
     kn = (0, 0, 0) if x.k_new is None else tuple(st // itemsize for st in x.k_new.strides[:3])
     vn = (0, 0, 0) if x.v_new is None else tuple(st // itemsize for st in x.v_new.strides[:3])
     scale_log2, scale_log2_lo = _params.scale_log2_parts(x.scale)
-    cap, cap_inv, unscale, slope_unit = _params.score_units(x.mods.softcap if x.mods is not None else 0.0, x.scale)
+    cap, cap_inv, unscale, slope_unit = _params.score_units(x.mods, x.scale)
     params = _params.decode_params(
         q_stride_b=x.q.strides[0] // itemsize, q_stride_e=x.q.strides[1] // itemsize, q_stride_row=x.q.strides[2] // itemsize,
         k_stride_b=ks[0], k_stride_e=ks[1], k_stride_row=ks[2], v_stride_b=vs[0], v_stride_e=vs[1], v_stride_row=vs[2],

@@ -21,7 +21,8 @@ BWD_ARRAYS = FWD_ARRAYS[:10] + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
 FWD_FIELDS = tuple(range(10))
 WS_FWD_FIELDS = FWD_FIELDS + (FWD_ARRAYS.index("tile_counter"),)   # WsFwdParams' pointers
 DQ_FIELDS = tuple(range(10)) + tuple(range(11, 16))
-DKDV_FIELDS = tuple(range(7)) + (BWD_ARRAYS.index("k_tiles"), 8, 9) + tuple(range(11, 16))
+DKDV_FIELDS = tuple(range(7)) + tuple(BWD_ARRAYS.index(n) for n in ("k_tiles", "alibi_slopes", "sinks")) + tuple(
+    range(11, 16))
 Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
 CU_SEQLENS_Q, CU_SEQLENS_K = FWD_ARRAYS.index("cu_seqlens_q"), FWD_ARRAYS.index("cu_seqlens_k")
 

@@ -24,13 +24,8 @@ class ScoreMods:
         return bool(self.softcap) or self.alibi or self.sinks
 
 
-NONE = ScoreMods()
-
-
 def key(softcap, alibi_slopes, sinks):
-    """The modifiers' part of a plan's signature (None: no modifier)."""
-    if softcap is None and alibi_slopes is None and sinks is None:
-        return None
+    """The modifiers' part of a plan's signature."""
     cap = softcap if isinstance(softcap, numbers.Real) else None   # (anything else: refused by check)
     return (type(softcap), cap, _array_key(alibi_slopes), _array_key(sinks))
 
@@ -64,9 +59,9 @@ def per_entry(cupy, x, batch_shape):
     return cupy.ascontiguousarray(cupy.broadcast_to(x, tuple(batch_shape)))
 
 
-def dsinks(cupy, sinks, lse, delta, batch_shape):
-    """The gradient of the sinks: -sum over each row of exp(z - lse) * rowsum(dout * out),
-    summed over the dims the sinks were broadcast along (float32, the order fixed)."""
-    z = per_entry(cupy, sinks, batch_shape)
+def dsinks(cupy, z, shape, lse, delta):
+    """The gradient of the sinks from their values per entry ``z`` (as `per_entry` lays them
+    out for the kernels): -sum over each row of exp(z - lse) * rowsum(dout * out), summed to the
+    sinks' ``shape`` over the dims they were broadcast along (float32, the order fixed)."""
     rows = -(cupy.exp(z[..., None] - lse) * delta).sum(axis=-1)
-    return _checks.sum_to_shape(rows, sinks.shape).astype(cupy.float32)
+    return _checks.sum_to_shape(rows, shape).astype(cupy.float32)

@@ -104,10 +104,12 @@ def scale_log2_parts(scale: float) -> tuple[float, float]:
         return float(high), float(np.float32(exact - float(high)))
 
 
-def score_units(softcap: float, scale: float) -> tuple[float, float, float, float]:
-    """AttnParams' cap, cap_inv, unscale, slope_unit (kernels/attention/score_path.cuh): softcap c
-    in raw scores' units, c / scale and scale / c (0, 0: none), 1 / (scale log2 e) and 1 / scale
-    (0 where the scale is 0: no modifier then reaches the kernels)."""
+def score_units(mods, scale: float) -> tuple[float, float, float, float]:
+    """AttnParams' cap, cap_inv, unscale, slope_unit (kernels/attention/score_path.cuh) for the
+    call's modifiers ``mods`` (_mods.ScoreMods, or None): softcap c in raw scores' units, c / scale
+    and scale / c (0, 0: none), 1 / (scale log2 e) and 1 / scale (0 where the scale is 0: no
+    modifier then reaches the kernels)."""
+    softcap = mods.softcap if mods is not None else 0.0
     cap = (softcap / scale, scale / softcap) if softcap and scale else (0.0, 0.0)
     return cap + ((1 / (scale * math.log2(math.e)), 1 / scale) if scale else (0.0, 0.0))
 
@@ -254,7 +256,7 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
         x.nq, x.nk, x.d, x.dv,
         left, right,
         *scale_log2_parts(x.scale),
-        *score_units(x.mods.softcap if x.mods is not None else 0.0, x.scale),
+        *score_units(x.mods, x.scale),
         m_blocks, 0, layout.entries, group,
         layout.group_size, layout.group_inner, layout.q_group_stride,
         n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides,
