@@ -82,7 +82,7 @@ def _tile_list(x, block: int, by_keys: bool, index: int, capacity: int) -> TileL
 
 def score_path(x) -> str:
     """The kernels' score path for the call's modifiers (_tiles.SCORE_PATHS)."""
-    return MODIFIED if x.mods is not None and x.mods.active else PLAIN
+    return MODIFIED if x.mods is not None and x.mods.modified else PLAIN
 
 
 def forward_launches(x) -> Launches:

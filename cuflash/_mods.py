@@ -19,9 +19,10 @@ class ScoreMods:
     sinks: bool = False
 
     @property
-    def active(self) -> bool:
-        """Whether the call runs the kernels' modified score path."""
-        return bool(self.softcap) or self.alibi or self.sinks
+    def modified(self) -> bool:
+        """Whether the call runs the kernels' modified score path (softcap or ALiBi: sinks
+        alone touch only the row sums, which every path counts)."""
+        return bool(self.softcap) or self.alibi
 
 
 def key(softcap, alibi_slopes, sinks):

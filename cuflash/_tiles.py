@@ -39,7 +39,7 @@ class FwdTiles:
 
 
 # The score paths (kernels/attention/score_path.cuh), every attention kernel's last template
-# argument: plain scores, or scores through the modifiers (softcap, ALiBi, sinks).
+# argument: plain scores, or scores through the modifiers (softcap, ALiBi; sinks on both).
 PLAIN, MODIFIED = "plain", "modified"
 SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores"}
 
@@ -194,8 +194,9 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     256, 80-key blocks with one Q buffer and through tensor maps only (``maps_only``; 1.02-1.11x
     64-key blocks, which ran at 1.2-1.4x attn_fwd_sm90). None elsewhere. These are the
     tiles through maps; ``without_maps`` gives the others. The modified scores' kernels
-    (``scores``) hold a few more registers: 64-key blocks at head dim 256 and two computing
-    warpgroups at 64 (80 keys and three warpgroups spilled 4-8 bytes)."""
+    (``scores``) hold a few more registers: 64-key blocks at head dim 256, two computing
+    warpgroups at 64 (80 keys and three warpgroups spilled 4-16 bytes) and 128-key blocks at
+    128 (176 keys spilled 24-32 bytes)."""
     if dtype_name == "float32":
         return None
     modified = scores == MODIFIED
@@ -206,7 +207,7 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     if head_dim == 64 and keys is not None and keys <= 128:
         return None
     wide_from = SM90_WS_FWD_D128_WIDE_FROM_KEYS.get(mask)
-    if head_dim == 128 and wide_from is not None and keys is not None and keys >= wide_from:
+    if head_dim == 128 and wide_from is not None and keys is not None and keys >= wide_from and not modified:
         return Sm90WsFwdTiles(128, 176, stages=2, q_buffers=1)
     three = head_dim == 64 and (keys is None or keys >= SM90_WS_FWD_D64_THREE_FROM_KEYS) and not modified
     stages = 3 if three and mask == "none" else 2

@@ -6,8 +6,9 @@
 // applies to them as to plain scores (its negative-scale and large-logit forms unchanged):
 //   softcap c:  s' = (c / scale) tanh(s scale / c)     (AttnParams: cap = c / scale, cap_inv = scale / c)
 //   ALiBi a:    s' = s' - (a / scale) |i + off - j|    (AttnParams: slope_unit = 1 / scale)
-// A sink z enters the forward's row sums (OnlineSoftmax::finish), so lse counts it and the
-// backward's p = exp2(s' scale_log2 - lse2) holds as it is; dsinks is a row sum the host takes.
+// A sink z enters only the forward's row sums (finish), on every score path, so lse counts it
+// and the backward's p = exp2(s' scale_log2 - lse2) holds as it is; dsinks is a row sum the
+// host takes. A call with sinks alone thus runs the plain kernels.
 // The backward's ds is taken with respect to the raw score: softcap's factor 1 - tanh^2
 // comes from p itself (scale s' = ln p + lse), so no second copy of the scores is kept.
 #pragma once
@@ -21,6 +22,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 struct PlainScores {
     static constexpr bool MODIFIED = false;
 };
+// softcap and ALiBi, each off at run time (cap 0, no slopes)
 struct ModifiedScores {
     static constexpr bool MODIFIED = true;
 };
@@ -70,14 +72,12 @@ template <class T, class Scores, class Params = AttnParams>
 struct ScorePath {
     static constexpr bool MODIFIED = Scores::MODIFIED;
     const Params& p;
-    u32 entry = 0;
     float slope = 0.f;   // ALiBi's slope in raw units (AttnParams: slope_unit); 0: none
     int off = 0;
 
     // The path of query batch entry `entry` (the flat index of the broadcast batch).
     __device__ __forceinline__ ScorePath(const Params& p, const Band& band, u32 entry) : p(p) {
         if constexpr (MODIFIED) {
-            this->entry = entry;
             slope = slope_of(entry);
             off = band.off;
         }
@@ -90,39 +90,53 @@ struct ScorePath {
         return MODIFIED && p.alibi_slopes ? p.alibi_slopes[e] * p.slope_unit : 0.f;
     }
     // The sink's logit * log2(e) for OnlineSoftmax::finish; -inf: none.
-    __device__ __forceinline__ float sink2_of(u32 e) const {
-        return MODIFIED && p.sinks ? p.sinks[e] * LOG2E : -CUFLASH_INF;
+    __device__ __forceinline__ float sink2_of(u32 e) const { return p.sinks ? p.sinks[e] * LOG2E : -CUFLASH_INF; }
+
+    // softmax.finish (APPROX as there) with the sink of query entry `entry` where the call
+    // has sinks: a branch per block, after its last key.
+    template <bool APPROX, class Softmax, class Acc, class Lse>
+    __device__ __forceinline__ void finish(Softmax& softmax, Acc& acc, Lse& lse, float scale_log2, u32 entry) const {
+        if (p.sinks) {
+            softmax.template finish<APPROX, true>(acc, lse, scale_log2, sink2_of(entry));
+        } else {
+            softmax.template finish<APPROX>(acc, lse, scale_log2);
+        }
     }
-    __device__ __forceinline__ float sink2() const { return sink2_of(entry); }
 
     __device__ __forceinline__ bool capped() const { return MODIFIED && p.cap != 0.f; }
 
     // Raw scores to the scores the softmax sees, in place (before the mask). Fragments as
     // in apply_band: row0/col0 locate the warp's first element; KEYS_IN_ROWS: transposed.
+    // Each modifier switched off is skipped (a uniform branch per tile).
     template <bool KEYS_IN_ROWS = false, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
         if constexpr (MODIFIED) {
             if (capped()) {
-                modify_all<KEYS_IN_ROWS, true>(s, row0, col0);
-            } else {
-                modify_all<KEYS_IN_ROWS, false>(s, row0, col0);
+                if (slope != 0.f) {
+                    modify_all<KEYS_IN_ROWS, true, true>(s, row0, col0);
+                } else {
+                    modify_all<KEYS_IN_ROWS, true, false>(s, row0, col0);
+                }
+            } else if (slope != 0.f) {
+                modify_all<KEYS_IN_ROWS, false, true>(s, row0, col0);
             }
         }
     }
 
-    template <bool KEYS_IN_ROWS, bool CAP, class Score, int M_TILES, int N_TILES>
+    template <bool KEYS_IN_ROWS, bool CAP, bool ALIBI, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify_all(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
-        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+        const float first = first_offset<KEYS_IN_ROWS>(row0, col0);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + mt * 16 + g + 8 * (e >> 1);
-                    const int col = col0 + nt * 8 + 2 * t + (e & 1);
-                    const float x = softcapped<CAP>(float(s[mt][nt][e]));
-                    s[mt][nt][e] = Score(fmaf(-slope, distance<KEYS_IN_ROWS>(row, col), x));
+                    float x = softcapped<CAP>(float(s[mt][nt][e]));
+                    if constexpr (ALIBI) {
+                        x = fmaf(-slope, distance<KEYS_IN_ROWS>(first, mt * 16 + 8 * (e >> 1), nt * 8 + (e & 1)), x);
+                    }
+                    s[mt][nt][e] = Score(x);
                 }
     }
 
@@ -145,15 +159,20 @@ struct ScorePath {
     __device__ __forceinline__ void modify_rows_all(Score (&s)[M_TILES][N_TILES][4], const float (&slopes)[M_TILES][2],
                                                     const int (&at)[M_TILES][2], int col0) const {
         const int t = threadIdx.x % 4;
+        float first[M_TILES][2];   // i + off - j at the thread's first key, 2t from col0
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) first[mt][h] = float(at[mt][h] - col0 - 2 * t);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int col = col0 + nt * 8 + 2 * t + (e & 1);
                     const float x = softcapped<CAP>(float(s[mt][nt][e]));
-                    s[mt][nt][e] = Score(fmaf(-slopes[mt][e >> 1], float(abs(at[mt][e >> 1] - col)), x));
+                    const float d = distance<false>(first[mt][e >> 1], 0, nt * 8 + (e & 1));
+                    s[mt][nt][e] = Score(fmaf(-slopes[mt][e >> 1], d, x));
                 }
     }
 
@@ -163,21 +182,29 @@ struct ScorePath {
         return CAP ? p.cap * tanh_of<T>(x * p.cap_inv) : x;
     }
 
-    // |i + off - j| of query i and key j, for fragment coordinates (row, col)
+    // i + off - j of query i and key j at the thread's first fragment element (row0 + g,
+    // col0 + 2t), as a float: the others differ from it by constants, so a distance costs
+    // no conversion per score (exact below 2^24 positions).
     template <bool KEYS_IN_ROWS>
-    __device__ __forceinline__ float distance(int row, int col) const {
-        return float(KEYS_IN_ROWS ? abs(col + off - row) : abs(row + off - col));
+    __device__ __forceinline__ float first_offset(int row0, int col0) const {
+        const int row = row0 + (threadIdx.x % 32) / 4, col = col0 + 2 * (threadIdx.x % 4);
+        return float(KEYS_IN_ROWS ? col + off - row : row + off - col);
+    }
+    // |i + off - j| of the element `rows` rows and `cols` columns past the first
+    template <bool KEYS_IN_ROWS>
+    __device__ __forceinline__ static float distance(float first, int rows, int cols) {
+        return fabsf(first + float(KEYS_IN_ROWS ? cols - rows : rows - cols));
     }
 
     // p times the derivative of the modified score by the raw one (CAP: 1 - tanh^2, with
-    // tanh from p: scale s' = ln p + lse, plus ALiBi's term back); 0 where p is.
-    template <bool KEYS_IN_ROWS, bool CAP>
-    __device__ __forceinline__ float chained(float prob, float lse2, int row, int col) const {
+    // tanh from p: scale s' = ln p + lse, plus ALiBi's term back, `dist` its distance); 0
+    // where p is.
+    template <bool CAP>
+    __device__ __forceinline__ float chained(float prob, float lse2, float dist) const {
         if constexpr (!CAP) {
             return prob;
         } else {
-            const float capped_score = fmaf(fmaxf(log2_of<T>(prob), -150.f) + lse2, p.unscale,
-                                            slope * distance<KEYS_IN_ROWS>(row, col));
+            const float capped_score = fmaf(fmaxf(log2_of<T>(prob), -150.f) + lse2, p.unscale, slope * dist);
             const float th = capped_score * p.cap_inv;
             return prob > 0.f ? prob * fmaf(-th, th, 1.f) : 0.f;
         }
@@ -266,27 +293,21 @@ struct ScorePath {
             // the compiler would rather keep modify()'s through the products, in registers)
             int row0_here;
             asm("mov.b32 %0, %1;" : "=r"(row0_here) : "r"(row0));
-            each(dp, row0_here, col0, [&](int nt, int e, int row, int col) {
-                const float l = lse2(nt, e);
-                return chained<KEYS_IN_ROWS, true>(p[0][nt][e], RAW ? lse_to_log2(l) : l, row, col) *
-                       (dp[0][nt][e] - delta(nt, e));
-            });
+            const float first = first_offset<KEYS_IN_ROWS>(row0_here, col0);
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float l = lse2(nt, e);
+                    const float dist = distance<KEYS_IN_ROWS>(first, 8 * (e >> 1), nt * 8 + (e & 1));
+                    dp[0][nt][e] = chained<true>(p[0][nt][e], RAW ? lse_to_log2(l) : l, dist) * (dp[0][nt][e] - delta(nt, e));
+                }
         } else {
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - delta(nt, e));
         }
-    }
-
-    // x[nt][e] = f(nt, e, row, col) over a warp's 16 x 8 S_TILES fragments
-    template <int S_TILES, class F>
-    __device__ __forceinline__ static void each(float (&x)[1][S_TILES][4], int row0, int col0, F f) {
-        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) x[0][nt][e] = f(nt, e, row0 + g + 8 * (e >> 1), col0 + nt * 8 + 2 * t + (e & 1));
     }
 };
 

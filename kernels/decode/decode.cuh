@@ -45,7 +45,7 @@ struct DecodeParams {
     index_t window_left, window_right;   // as AttnParams
     float scale_log2, scale_log2_lo;     // as AttnParams
     index_t splits, split_keys;          // keys per split: a multiple of the key block
-    // Score modifiers (score_path.cuh; with ModifiedScores): as AttnParams, slopes and sinks one
+    // Score modifiers (score_path.cuh; sinks on every path): as AttnParams, slopes and sinks one
     // per query head of the flat batch (B, E, G), (b * E + e) * G + row / nq
     float cap, cap_inv, unscale, slope_unit;
 
@@ -372,8 +372,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
             total += weight[w] * l;
         }
         float inv, row_lse;
-        if constexpr (Scores::MODIFIED) {
-            const float sink2 = split == 0 ? Path(p).sink2_of(u32((out_row0 + r) / nq)) : -CUFLASH_INF;
+        if (p.sinks && split == 0) {
+            const float sink2 = Path(p).sink2_of(u32((out_row0 + r) / nq));
             row_lse = OnlineSoftmax<T, M_TILES>::lse_with_sink(best, total, scale_log2, sink2, inv);
         } else {
             inv = total == 0.f ? 0.f : 1.f / total;

@@ -154,7 +154,7 @@ attn_fwd(const AttnParams p) {
     }
 
     float lse[M_TILES][2];
-    softmax.template finish<false, Scores::MODIFIED>(acc, lse, scale_log2, path.sink2());
+    path.template finish<false>(softmax, acc, lse, scale_log2, w.entry);
     store_output<T>(p, w, m0, nq, col0, warp_row0, acc, lse);
 }
 

@@ -183,7 +183,7 @@ attn_fwd_sm90(const AttnParams p) {
         pin_registers(acc);
     }
     float lse[1][2];
-    softmax.template finish<LEAN, Scores::MODIFIED>(acc, lse, scale_log2, path.sink2());
+    path.template finish<LEAN>(softmax, acc, lse, scale_log2, work.entry);
     store_output<T, LEAN>(p, tile.w, tile.m0, tile.w.nq, 0, warp_row0, acc, lse);
 }
 

@@ -290,7 +290,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
             kv_uses += u32(steps);
         }
         float lse[1][2];
-        softmax.template finish<true, Scores::MODIFIED>(acc, lse, scale_log2, path.sink2());
+        path.template finish<true>(softmax, acc, lse, scale_log2, w.entry);
         store_output<T, true>(p, t.w, t.m0, t.m_end, 0, warp_row0, acc, lse);
     }
 }
