@@ -107,23 +107,20 @@ struct ScorePath {
 
     // Raw scores to the scores the softmax sees, in place (before the mask). Fragments as
     // in apply_band: row0/col0 locate the warp's first element; KEYS_IN_ROWS: transposed.
-    // Each modifier switched off is skipped (a uniform branch per tile).
+    // softcap switched off is skipped (a uniform branch per tile); ALiBi's term with slope 0 is
+    // two adds and an FMA per score (skipping it too spilled the portable D 96 dq pass).
     template <bool KEYS_IN_ROWS = false, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
         if constexpr (MODIFIED) {
             if (capped()) {
-                if (slope != 0.f) {
-                    modify_all<KEYS_IN_ROWS, true, true>(s, row0, col0);
-                } else {
-                    modify_all<KEYS_IN_ROWS, true, false>(s, row0, col0);
-                }
-            } else if (slope != 0.f) {
-                modify_all<KEYS_IN_ROWS, false, true>(s, row0, col0);
+                modify_all<KEYS_IN_ROWS, true>(s, row0, col0);
+            } else {
+                modify_all<KEYS_IN_ROWS, false>(s, row0, col0);
             }
         }
     }
 
-    template <bool KEYS_IN_ROWS, bool CAP, bool ALIBI, class Score, int M_TILES, int N_TILES>
+    template <bool KEYS_IN_ROWS, bool CAP, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify_all(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
         const float first = first_offset<KEYS_IN_ROWS>(row0, col0);
 #pragma unroll
@@ -132,11 +129,9 @@ struct ScorePath {
             for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = softcapped<CAP>(float(s[mt][nt][e]));
-                    if constexpr (ALIBI) {
-                        x = fmaf(-slope, distance<KEYS_IN_ROWS>(first, mt * 16 + 8 * (e >> 1), nt * 8 + (e & 1)), x);
-                    }
-                    s[mt][nt][e] = Score(x);
+                    const float x = softcapped<CAP>(float(s[mt][nt][e]));
+                    const float d = distance<KEYS_IN_ROWS>(first, mt * 16 + 8 * (e >> 1), nt * 8 + (e & 1));
+                    s[mt][nt][e] = Score(fmaf(-slope, d, x));
                 }
     }
 
