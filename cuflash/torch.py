@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import _api, _checks, reference
 
-__all__ = ["attention", "attention_kvcache", "merge_attention"]
+__all__ = ["attention", "attention_kvcache", "merge_attention", "register_transformers"]
 
 
 def _host_array(t):
@@ -329,3 +329,14 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
                         None if per_sequence else cache_seqlens, block_table, causal, left, right, scale, num_splits,
                         check, softcap, alibi_slopes, sinks, groups)
     return (out, lse) if return_lse else out
+
+
+def register_transformers(name="cufa"):
+    """Registers ``attention`` as an attention implementation of Hugging Face transformers under
+    `name` (its ``AttentionInterface`` and ``AttentionMaskInterface``), so that
+    ``AutoModelForCausalLM.from_config(config, attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)`` runs the model's attention through cuflash; returns
+    `name`. Needs transformers (``cuflash.transformers``, imported here and not before)."""
+    from . import transformers as hf   # the module of cuflash, which imports transformers
+
+    return hf.register(name)

@@ -25,6 +25,7 @@ SCRIPTS = [
     ("bench/model_shapes.py", ["--out", "{tmp}"]),
     ("bench/decode.py", ["--out", "{tmp}"]),
     ("bench/modifiers.py", ["--out", "{tmp}"]),
+    ("bench/end_to_end.py", ["--out", "{tmp}"]),
     ("bench/float32_accuracy.py", []),
     ("bench/host_overhead.py", []),
     ("bench/profile_case.py", []),
@@ -247,6 +248,78 @@ def test_modifiers_tables_from_saved_runs(tmp_path):
     assert "- cuflash, bias-table-grad: not in this cuflash yet: TypeError: x (1 rows)" in lines
     assert "- flex, dropout0.1: FlexAttention has no dropout (1 rows)" in lines
     assert "torch-sdpa picked EFFICIENT_ATTENTION for bias-table-grad bwd" in lines
+
+
+def end_to_end_script():
+    script = ROOT / "bench" / "end_to_end.py"
+    if not script.is_file():
+        pytest.skip("bench/end_to_end.py is not beside the tests (they run outside a source checkout)")
+    return script
+
+
+def run_end_to_end(*args, timeout=120):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(end_to_end_script()), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def test_end_to_end_lists_its_cases_without_gpu():
+    """bench/end_to_end.py --help and --list run anywhere (without torch too): the model, and a
+    row per (section, provider, N)."""
+    done = run_end_to_end("--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: end_to_end.py "), done.stdout + done.stderr
+    done = run_end_to_end("--list")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == ("model: Llama, hidden 2048, 16 layers, 32 heads (8 key/value heads, GQA 4:1) of head dim 128, "
+                        "MLP 5632, vocabulary 32000: 1,020,332,032 parameters, bfloat16, AdamW")
+    assert "train: batch 1, N 2048 8192 32768: 2 warm-up and 5 timed steps each: 12 rows" in lines
+    assert "  sdpa-flash, N 32768" in lines
+    # host 1, train 4 x 3, longest 4, decode 4 x 3, loss 4
+    assert lines[-1] == "33 rows"
+    done = run_end_to_end("--list", "--quick", "--compile", "--sections", "train", "loss", "--providers", "cuflash",
+                          "sdpa")
+    lines = done.stdout.splitlines()
+    assert "  cuflash compiled, N 8192" in lines and lines[-1] == "10 rows"
+
+
+def test_end_to_end_tiny_run_on_cpu(tmp_path):
+    """bench/end_to_end.py --device cpu --tiny: every section's plumbing on a 2-layer model
+    (cuflash's reference on the CPU), the compiled providers through aot_eager, and SDPA's cuDNN
+    backend, which has no CPU kernel, skipped with its reason rather than stopping the run."""
+    import json
+
+    pytest.importorskip("torch", reason="bench/end_to_end.py needs torch")
+    pytest.importorskip("transformers", reason="bench/end_to_end.py needs transformers")
+    done = run_end_to_end("--device", "cpu", "--tiny", "--out", str(tmp_path), "--no-charts", "--max-seqlen", "128",
+                          "--providers", "cuflash", "sdpa", "sdpa-cudnn", "--compile", "--compile-backend",
+                          "aot_eager", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["parameters"] == 86336   # as --list counts them
+    rows = results["rows"]
+    train = {r["provider"]: r for r in rows if r["section"] == "train"}
+    assert set(train) == {"cuflash", "sdpa", "sdpa-cudnn", "cuflash compiled", "sdpa compiled", "sdpa-cudnn compiled"}
+    for p in ("cuflash", "sdpa", "cuflash compiled", "sdpa compiled"):
+        assert train[p]["tokens_per_s"] > 0 and train[p]["N"] == 64, train[p]
+    assert "compile_s" in train["cuflash compiled"]
+    assert train["sdpa-cudnn"]["skipped"].startswith("RuntimeError")
+    longest = {r["provider"]: r for r in rows if r["section"] == "longest"}
+    assert longest["cuflash"]["longest"] == 128 and longest["cuflash"]["stopped"].startswith("the cap")
+    assert longest["sdpa-cudnn"]["longest"] is None and longest["sdpa-cudnn"]["stopped"] == "RuntimeError at N 64"
+    decode = {r["provider"]: r for r in rows if r["section"] == "decode"}
+    assert decode["cuflash"]["decode_tokens_per_s"] > 0 and decode["cuflash"]["steps"] == 4
+    losses = {r["provider"]: r["losses"] for r in rows if r["section"] == "loss" and "losses" in r}
+    assert set(losses) == {"cuflash", "sdpa"} and len(losses["cuflash"]) == 3
+    # the same weights and data: the curves agree to bfloat16's rounding
+    assert max(abs(a - b) / b for a, b in zip(losses["cuflash"], losses["sdpa"])) < 1e-2
+    lines = done.stdout.splitlines()
+    assert "| N | cuflash | sdpa | sdpa-cudnn | x sdpa | x sdpa-cudnn |" in lines
+    assert "| N | cuflash compiled | sdpa compiled | sdpa-cudnn compiled | x sdpa compiled | x sdpa-cudnn compiled |" \
+        in lines
+    assert any(line.startswith("| cuflash / sdpa | ") for line in lines)
+    assert "- host, all: host times need a GPU" in lines
 
 
 def test_ab_trees_takes_the_median_over_processes_per_tree():

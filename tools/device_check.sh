@@ -9,8 +9,9 @@
 # the float32 accuracy table, the training example and the host time per call. STEPs pick and
 # order them by name (cli warm_cache pytest long_sequence sanitize float32_accuracy
 # train_example host_overhead) and add the benchmarks: grid (bench/bench_attention.py),
-# model_shapes, decode, modifiers (each into OUTDIR/NAME/; MODIFIERS_ARGS, such as "--quick",
-# passed on to bench/modifiers.py). A run of record on a device call's time:
+# model_shapes, decode, modifiers, end_to_end (each into OUTDIR/NAME/; MODIFIERS_ARGS and
+# END_TO_END_ARGS, such as "--quick", passed on to bench/modifiers.py and bench/end_to_end.py).
+# A run of record on a device call's time:
 #
 #   PACK=1 SANITIZE_TOOLS="memcheck synccheck" bash tools/device_check.sh OUT warm_cache pytest grid model_shapes sanitize
 #
@@ -59,6 +60,8 @@ run_model_shapes() { "$python" bench/model_shapes.py --out "$out/model_shapes"; 
 run_decode() { "$python" bench/decode.py --out "$out/decode"; }
 # shellcheck disable=SC2086  # MODIFIERS_ARGS: words on purpose
 run_modifiers() { "$python" bench/modifiers.py --out "$out/modifiers" ${MODIFIERS_ARGS:-}; }
+# shellcheck disable=SC2086  # END_TO_END_ARGS: words on purpose
+run_end_to_end() { "$python" bench/end_to_end.py --out "$out/end_to_end" ${END_TO_END_ARGS:-}; }
 
 steps=("${@:2}")
 if [ ${#steps[@]} -eq 0 ]; then
@@ -97,6 +100,7 @@ summary grid tail -n 3
 summary model_shapes tail -n 4
 summary decode tail -n 3
 summary modifiers grep -E "^- |picked"
+summary end_to_end grep -E -A 6 "^training tokens/s|^loss curves"
 
 if [ "${PACK:-0}" = 1 ]; then
     tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" &&
