@@ -32,7 +32,7 @@ def ring_case(rng, size, layout, lengths=None, chunk=2, heads=(2,), gqa=False, d
     """Whole-sequence arrays and keywords of one case, and its shards."""
     n = sum(lengths) if lengths is not None else 2 * chunk * size
     if gqa:   # two K/V heads, two query heads each: q (2, 2, n, d) against k, v (2, 1, n, d)
-        q, k, v = rng.standard_normal((2, 2, n, d)), rng.standard_normal((2, 1, n, d)), rng.standard_normal((2, 1, n, dv))
+        q, k, v = (rng.standard_normal(shape) for shape in ((2, 2, n, d), (2, 1, n, d), (2, 1, n, dv)))
     else:
         q, k, v = (rng.standard_normal(heads + (n, x)) for x in (d, d, dv))
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
@@ -62,7 +62,8 @@ def run_ring(size, arrays, ring, lengths, dout=None, **options):
         out, lse = distributed.ring_attention(q, k, v, comm, return_lse=True, **ring)
         if douts is None:
             return out, lse, None
-        return out, lse, distributed.ring_attention_backward(douts[comm.rank], q, k, v, out, lse, comm, **ring, **options)
+        grads = distributed.ring_attention_backward(douts[comm.rank], q, k, v, out, lse, comm, **ring, **options)
+        return out, lse, grads
 
     return distributed.run_ranks(size, rank)
 
@@ -355,3 +356,27 @@ def test_nccl_communicator_without_cupy_says_why():
         pytest.skip("a GPU is here: test_ring_attention_gpu.py covers NCCL")
     with pytest.raises((ImportError, RuntimeError), match="CuPy|NVIDIA|GPU|NCCL"):
         distributed.NcclCommunicator(2, bytes(128), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch: one process per rank (a stand-in for NcclCommunicator, made in each process)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_launch_returns_every_rank_result_and_reports_failures():
+    """launch's processes (ring_workers.py: a stand-in communicator and what the ranks do): the
+    results in rank order; a rank that raises and one that dies without a word, both reported."""
+    import ring_workers
+
+    from cuflash.distributed import _launch
+
+    got = _launch._spawn(ring_workers.rank_says, 3, (np.arange(3),), [5, 6, 7], 120, ring_workers.FakeComm, b"id")
+    assert [g[:4] for g in got] == [(r, 3, 5 + r, b"id") for r in range(3)]
+    assert np.array_equal(got[2][4], [0, 2, 4])
+    with pytest.raises(distributed.LaunchError) as err:
+        _launch._spawn(ring_workers.rank_fails, 3, (), None, 120, ring_workers.FakeComm, b"id")
+    assert str(err.value).startswith("2 of 3 ranks failed:\n--- rank 1 ---\nTraceback")
+    assert "ValueError: rank 1 cannot go on" in str(err.value)
+    assert str(err.value).endswith("--- rank 2 ---\nthe process exited with code 3")
+    with pytest.raises(ValueError, match=r"devices must name 2 GPUs, got \[0\]"):
+        _launch._spawn(ring_workers.rank_says, 2, (1,), [0], 120, ring_workers.FakeComm, b"id")

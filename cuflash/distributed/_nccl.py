@@ -99,9 +99,10 @@ class NcclCommunicator:
     @classmethod
     def from_env(cls, *, rendezvous: str | None = None, timeout: float = 300.0) -> NcclCommunicator:
         """The communicator of a process started by torchrun or the like: ``RANK``, ``WORLD_SIZE``
-        and ``LOCAL_RANK`` (the GPU) from the environment; rank 0 makes the unique id and hands it
-        over through the file ``rendezvous`` (default: in the temporary directory, named after
-        ``TORCHELASTIC_RUN_ID`` or ``MASTER_PORT``), which it removes once every rank joined."""
+        and ``LOCAL_RANK`` (the GPU, made the process's current one) from the environment; rank 0
+        makes the unique id and hands it over through the file ``rendezvous`` (default: in the
+        temporary directory, named after ``TORCHELASTIC_RUN_ID`` or ``MASTER_PORT``), which it
+        removes once every rank joined."""
         try:
             rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except KeyError as err:
@@ -113,6 +114,7 @@ class NcclCommunicator:
             rendezvous = os.path.join(tempfile.gettempdir(), f"cuflash-nccl-{run}.uid")
         uid = share_unique_id(rendezvous, rank, timeout)
         comm = cls(size, uid, rank, device=device, timeout=timeout)
+        comm.xp.cuda.Device(device).use()
         if rank == 0:
             try:
                 os.remove(rendezvous)
@@ -245,5 +247,6 @@ def share_unique_id(path: str, rank: int, timeout: float = 300.0) -> bytes:
         except FileNotFoundError:
             pass
         if time.monotonic() > deadline:
-            raise RingTimeoutError(f"rank {rank}: rank 0's NCCL unique id did not appear in {path} within {timeout:g} s")
+            raise RingTimeoutError(f"rank {rank}: rank 0's NCCL unique id did not appear in {path} "
+                                   f"within {timeout:g} s")
         time.sleep(0.05)

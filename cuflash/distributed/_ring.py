@@ -245,7 +245,8 @@ def _handshake(name, backend, comm, q, k, v, o) -> _Options:
     for r, part in enumerate(parts):
         if part["error"] is not None:
             kind, message = part["error"]
-            raise _ERRORS.get(kind, RuntimeError)(f"{name}: rank {r}: {message}") from (error if r == comm.rank else None)
+            cause = error if r == comm.rank else None
+            raise _ERRORS.get(kind, RuntimeError)(f"{name}: rank {r}: {message}") from cause
     size = len(parts)
     for r, part in enumerate(parts):
         if part["rank"] != r or part["size"] != size:
@@ -284,8 +285,8 @@ def _handshake(name, backend, comm, q, k, v, o) -> _Options:
     segs = [_plan.segments(o.layout, lengths, r) for r in range(size)]
     plans = [_plan.plan_block(segs[comm.rank], segs[(comm.rank - t) % size], lo, hi, sequences, alibi_rows)
              for t in range(size)]
-    return _Options(lengths=lengths, plans=plans, offsets=backend.offsets(plans), batch=tuple(facts["batch"]), scale=facts["scale"],
-                    softcap=facts["softcap"] or None, slopes=slopes,
+    return _Options(lengths=lengths, plans=plans, offsets=backend.offsets(plans), batch=tuple(facts["batch"]),
+                    scale=facts["scale"], softcap=facts["softcap"] or None, slopes=slopes,
                     negated_slopes=None if slopes is None else -slopes, sinks=o.sinks,
                     deterministic=bool(o.deterministic))
 
@@ -388,6 +389,13 @@ def _kv_shapes(k, v, n):
     return (k.shape[:-2] + (n, k.shape[-1]), v.shape[:-2] + (n, v.shape[-1]))
 
 
+def _pass_on(comm, xp, arrays, shapes):
+    """Starts sending ``arrays`` to the next rank and receiving their like, of ``shapes`` (the
+    next shard's), from the one before: the buffers and the transfer."""
+    incoming = [xp.empty(shape, dtype=x.dtype) for shape, x in zip(shapes, arrays)]
+    return incoming, comm.sendrecv(arrays, (comm.rank + 1) % comm.size, incoming, (comm.rank - 1) % comm.size)
+
+
 def _forward(backend, comm, q, k, v, opts):
     xp, size, rank = backend.xp, comm.size, comm.rank
     merged = _Merged(xp, opts.batch + (q.shape[-2], v.shape[-1]), backend.acc)
@@ -396,8 +404,7 @@ def _forward(backend, comm, q, k, v, opts):
     for t in range(size):
         src = (rank - t) % size
         if t + 1 < size:   # the next shard moves while this one is computed
-            incoming = [xp.empty(s, dtype=x.dtype) for s, x in zip(_kv_shapes(k, v, opts.lengths[(src - 1) % size]), kv)]
-            pending = comm.sendrecv(kv, (rank + 1) % size, incoming, (rank - 1) % size)
+            incoming, pending = _pass_on(comm, xp, kv, _kv_shapes(k, v, opts.lengths[(src - 1) % size]))
         theirs = _Views(xp, k=kv[0], v=kv[1])
         for call in opts.plans[t]:
             o, lse = backend.forward(_rows(mine.get("q", call), call.rows), _rows(theirs.get("k", call), call.keys),
@@ -450,8 +457,7 @@ def _backward(backend, comm, dout, q, k, v, out, lse, opts):
     for t in range(size):
         src = (rank - t) % size
         if t + 1 < size:
-            incoming = [xp.empty(s, dtype=x.dtype) for s, x in zip(_kv_shapes(k, v, opts.lengths[(src - 1) % size]), kv)]
-            pending = comm.sendrecv(kv, (rank + 1) % size, incoming, (rank - 1) % size)
+            incoming, pending = _pass_on(comm, xp, kv, _kv_shapes(k, v, opts.lengths[(src - 1) % size]))
         theirs = _Views(xp, k=kv[0], v=kv[1])
         dk, dv = (xp.zeros(s, dtype=acc) for s in _kv_shapes(k, v, opts.lengths[src]))
         for call in opts.plans[t]:
@@ -468,8 +474,7 @@ def _backward(backend, comm, dout, q, k, v, out, lse, opts):
             sums_pending.wait()
             dk, dv = sums[0] + dk, sums[1] + dv
         if size > 1:   # on to the next rank; the last hop takes them home
-            sums = [xp.empty(s, dtype=acc) for s in _kv_shapes(k, v, opts.lengths[(src - 1) % size])]
-            sums_pending = comm.sendrecv((dk, dv), (rank + 1) % size, sums, (rank - 1) % size)
+            sums, sums_pending = _pass_on(comm, xp, (dk, dv), _kv_shapes(k, v, opts.lengths[(src - 1) % size]))
         else:
             sums = (dk, dv)
         if t + 1 < size:
