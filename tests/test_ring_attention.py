@@ -338,6 +338,8 @@ def test_shard_and_unshard(layout):
             distributed.shard(x, 3, lengths=[1, 2, 3])
     else:
         assert distributed.shard_positions(12, 3, 0, layout=layout).tolist() == [0, 1, 10, 11]
+        with pytest.raises(ValueError, match=r"the same even number of rows each, got \[4, 3\]"):
+            distributed.unshard([x[:, :4], x[:, :3]], layout=layout)
 
 
 def test_import_cuflash_does_not_import_distributed():

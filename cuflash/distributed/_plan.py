@@ -20,9 +20,11 @@ ALiBi's distance is the call's ``|t|``, not the global ``|T|``. Where ``c = 0`` 
 Elsewhere a piece is chosen whose corner lies on one edge of its band and on one side of
 ``T = 0``, so that ``t`` and ``T`` keep one sign on it: then ``-s |T| = -(s sign) |t| - s
 sign_T c``, the call's scores differ from the true ones by a constant per row, which changes
-no probability; the call runs with slopes ``s * sign`` and its lse is corrected by
-``slopes * shift``. Rows go in chunks of at most ``alibi_rows`` so that the call's ALiBi term
-stays within ``alibi_rows * |slope|`` of 0 where a row's nearest keys are (float32 scores).
+no probability; the call runs with slopes ``s * sign`` and its lse is corrected by ``slopes *
+shift``. Keys before rows (``T >= 0``) go in chunks of at most ``alibi_rows`` rows, so that
+the call's term at each row's nearest keys stays within ``alibi_rows * |slope|`` of 0 (float32
+scores keep their precision); keys after rows go the same way on the shards reversed along the
+sequence (``mirrored`` pieces), where they come first.
 
 Nothing here touches an array: plans are tuples of ints, cached per shape.
 """

@@ -551,6 +551,8 @@ def unshard(shards, *, layout: str = "contiguous", axis: int = -2):
     """The whole sequence from every rank's shard, in rank order (`shard`'s inverse)."""
     _plan.check_layout(layout)
     lengths = tuple(s.shape[axis] for s in shards)
+    if layout == "zigzag" and (len(set(lengths)) > 1 or lengths[0] % 2):
+        raise ValueError(f"zigzag shards hold the same even number of rows each, got {list(lengths)}")
     xp = np if isinstance(shards[0], np.ndarray) else _checks.require_cupy()
     runs = []
     for r, x in enumerate(shards):
