@@ -20,7 +20,8 @@ class LocalWorld:
     """``size`` ranks in one process; ``comms[r]`` is rank r's communicator.
 
     ``xp``: the array module the ranks compute with (numpy, or cupy for one GPU shared by
-    every rank). ``timeout``: seconds a rank waits for a message or a collective before
+    every rank; messages are copied on each thread's current stream, so the ranks should keep
+    CuPy's default one). ``timeout``: seconds a rank waits for a message or a collective before
     `RingTimeoutError` (a deadlock in the caller's program, not a slow peer).
     """
 
