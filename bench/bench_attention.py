@@ -57,11 +57,15 @@ def log(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-def median_ms(fn, inputs, repeat, warmup=3):
+def median_ms(fn, inputs, repeat, warmup=3, before=None):
+    """The median of `repeat` timed calls of fn (CUDA events), cycling through `inputs`;
+    `before()`, where given, runs ahead of each, untimed."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     times = []
     for i in range(repeat):
+        if before is not None:
+            before()
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         fn(*inputs[i % len(inputs)])

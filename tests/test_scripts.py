@@ -21,11 +21,13 @@ SCRIPTS = [
     ("examples/train_attention.py", []),
     ("examples/torch_interop.py", []),
     ("examples/jax_interop.py", []),
+    ("examples/ring_attention.py", []),
     ("bench/bench_attention.py", ["--out", "{tmp}"]),
     ("bench/model_shapes.py", ["--out", "{tmp}"]),
     ("bench/decode.py", ["--out", "{tmp}"]),
     ("bench/modifiers.py", ["--out", "{tmp}"]),
     ("bench/end_to_end.py", ["--out", "{tmp}"]),
+    ("bench/ring_attention.py", ["--out", "{tmp}"]),
     ("bench/float32_accuracy.py", []),
     ("bench/host_overhead.py", []),
     ("bench/profile_case.py", []),
@@ -175,6 +177,51 @@ def test_modifiers_lists_its_cases_without_gpu():
     done = subprocess.run([sys.executable, str(script), "--list", "--no-models", "--no-flex"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert done.stdout.splitlines()[-1].startswith("32 shapes, 576 rows, 0 FlexAttention compilations")
+
+
+def test_ring_attention_bench_lists_its_cases_without_gpu():
+    """bench/ring_attention.py --list runs anywhere: weak scaling at 128K tokens per GPU, strong
+    scaling at N 128K and 1M, on 2, 4 and 8 GPUs, and the single-GPU baselines."""
+    script = ROOT / "bench" / "ring_attention.py"
+    if not script.is_file():
+        pytest.skip("bench/ring_attention.py is not beside the tests (they run outside a source checkout)")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, str(script), "--list", "--no-torch"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == ("ring attention: B 1, Hq 32, Hkv 8, D 128; bfloat16, float16; causal (zigzag), "
+                        "full (contiguous); fwd, bwd")
+    assert "  weak P 8 N 1048576 bfloat16 causal: ring, no sends, sends only" in lines
+    assert "  strong P 2 N 131072 float16 full: ring, no sends, sends only" in lines
+    assert "  single P 1 N 1048576 bfloat16 causal: cuflash.attention on one GPU" in lines
+    # per dtype and mask: 3 counts x (1 weak + 2 strong) + 3 single N (128K, 1M... and 128K weak once)
+    assert lines[-1] == "44 cases, 88 rows; one process per GPU for 2, 4, 8 GPUs"
+    done = subprocess.run([sys.executable, str(script), "--list", "--quick", "--no-torch", "--dtypes", "float16",
+                           "--masks", "causal", "--gpus", "2", "--directions", "fwd"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.stdout.splitlines()[1:] == ["  weak P 2 N 32768 float16 causal: ring, no sends, sends only",
+                                            "  strong P 2 N 32768 float16 causal: ring, no sends, sends only",
+                                            "  single P 1 N 16384 float16 causal: cuflash.attention on one GPU",
+                                            "  single P 1 N 32768 float16 causal: cuflash.attention on one GPU",
+                                            "4 cases, 4 rows; one process per GPU for 2 GPUs"]
+
+
+def test_ring_attention_example_runs_the_stand_in_on_the_cpu():
+    """examples/ring_attention.py --cpu: every rank's rows within rounding of the reference."""
+    script = ROOT / "examples" / "ring_attention.py"
+    if not script.is_file():
+        pytest.skip("examples/ring_attention.py is not beside the tests (they run outside a source checkout)")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(script), "--cpu", "--ranks", "3", "--n", "48"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1", "rank 2"]
+    assert all(float(word.rstrip(",")) < 1e-12 for line in lines for word in line.split()[6::2]), lines
 
 
 def test_modifiers_counts_slopes_and_window_flops(monkeypatch):
