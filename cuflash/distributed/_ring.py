@@ -306,7 +306,7 @@ def _backend_of(comm) -> _Backend:
     return _Backend(comm.xp)
 
 
-def _true_lse(backend, lse, call, opts, sign):
+def _true_lse(lse, call, opts, sign):
     """A call's lse with ALiBi's constant moved out (``sign`` -1) or back in (+1)."""
     shifts = call.shifts()
     if not shifts:
@@ -409,7 +409,7 @@ def _forward(backend, comm, q, k, v, opts):
         for call in opts.plans[t]:
             o, lse = backend.forward(_rows(mine.get("q", call), call.rows), _rows(theirs.get("k", call), call.keys),
                                      _rows(theirs.get("v", call), call.keys), call, opts)
-            lse = _true_lse(backend, lse, call, opts, -1)
+            lse = _true_lse(lse, call, opts, -1)
             if call.mirrored:
                 o, lse = _flip(o), _flip(lse, False)
             merged.add(_home(call, call.rows, q.shape[-2]), o, lse)
@@ -465,7 +465,7 @@ def _backward(backend, comm, dout, q, k, v, out, lse, opts):
             mine_rows = [_rows(mine.get(name, call), rows) for name in ("dout", "q")]
             grads = backend.backward(*mine_rows, _rows(theirs.get("k", call), keys), _rows(theirs.get("v", call), keys),
                                      _rows(mine.get("out", call), rows),
-                                     _true_lse(backend, _rows(mine.get("lse", call), rows, False), call, opts, 1),
+                                     _true_lse(_rows(mine.get("lse", call), rows, False), call, opts, 1),
                                      call, opts)
             for total, g, span in zip((dq, dk, dv), grads[:3], (rows, keys, keys)):
                 part = _rows(total, _home(call, span, total.shape[-2]))
