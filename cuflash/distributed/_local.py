@@ -116,8 +116,8 @@ class _LocalRequest:
 
     def wait(self) -> None:
         comm, world = self.comm, self.comm.world
-        box = world._mail[(self.source, comm.rank)]
-        with world._cond:
+        with world._cond:   # the mailbox too is made under the lock, where the sender may make it
+            box = world._mail[(self.source, comm.rank)]
             message = world._wait(comm.rank, lambda: box.popleft() if box else None,
                                   f"the message from rank {self.source}")
         got = [(a.shape, a.dtype) for a in message]
