@@ -53,9 +53,9 @@ def rank_main(comm, n, dtype):
     return errors
 
 
-def report(errors):
-    for rank, (e_out, e_dq, e_dk, e_dv) in enumerate(errors):
-        print(f"rank {rank}: max |out - attention| {e_out:.2e}, dq {e_dq:.2e}, dk {e_dk:.2e}, dv {e_dv:.2e}")
+def report(rank, errors):
+    e_out, e_dq, e_dk, e_dv = errors
+    print(f"rank {rank}: max |out - attention| {e_out:.2e}, dq {e_dq:.2e}, dk {e_dk:.2e}, dv {e_dv:.2e}")
 
 
 def main():
@@ -68,7 +68,8 @@ def main():
     args = ap.parse_args()
     if args.cpu:
         n = args.n or 64
-        report(distributed.run_ranks(args.ranks, lambda comm: rank_main(comm, n, np.float64)))
+        for rank, errors in enumerate(distributed.run_ranks(args.ranks, lambda comm: rank_main(comm, n, np.float64))):
+            report(rank, errors)
         return
     try:
         cuflash.require_gpu()
@@ -77,12 +78,11 @@ def main():
     n = args.n or 8192
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:   # started by torchrun: this process is one rank
         comm = distributed.NcclCommunicator.from_env()
-        errors = rank_main(comm, n, args.dtype)
-        print(f"rank {comm.rank}: max |out - attention| {errors[0]:.2e}, dq {errors[1]:.2e}, dk {errors[2]:.2e}, "
-              f"dv {errors[3]:.2e}")
+        report(comm.rank, rank_main(comm, n, args.dtype))
         comm.close()
         return
-    report(distributed.launch(rank_main, args.gpus, n, args.dtype))
+    for rank, errors in enumerate(distributed.launch(rank_main, args.gpus, n, args.dtype)):
+        report(rank, errors)
 
 
 if __name__ == "__main__":
