@@ -118,6 +118,23 @@ def test_functions_with_a_built_in_give_its_results_and_gradients(x, left):
         assert_close(*results)
 
 
+@settings(**FAST)
+@given(inputs(), st.integers(1, 24), st.integers(0, 5))
+def test_offsets_give_the_built_ins_when_nq_and_nk_differ(x, nq, left):
+    """The built-ins align the mask and ALiBi's distance to the bottom right: offset Nk - Nq."""
+    _, k, v, rng = x
+    q = rng.standard_normal(k.shape[:-2] + (nq, k.shape[-1])) * 3
+    offset = k.shape[-2] - nq
+    slopes = rng.uniform(0, 1, q.shape[1]).astype(np.float32)
+    pairs = [
+        (dict(mask_mod=gallery.causal(offset)), dict(causal=True)),
+        (dict(mask_mod=gallery.sliding_window(left, offset)), dict(causal=True, window=(left, 0))),
+        (dict(score_mod=gallery.alibi(slopes, offset)), dict(alibi_slopes=slopes)),
+    ]
+    for fn, builtin in pairs:
+        assert_close(*(reference.attention(q, k, v, return_lse=True, **kwargs) for kwargs in (fn, builtin)))
+
+
 def test_relative_position_table_gets_the_bias_gradient():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 2, 9, 4)) for _ in range(3))
