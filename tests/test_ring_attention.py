@@ -340,6 +340,12 @@ def test_shard_and_unshard(layout):
         assert distributed.shard_positions(12, 3, 0, layout=layout).tolist() == [0, 1, 10, 11]
         with pytest.raises(ValueError, match=r"the same even number of rows each, got \[4, 3\]"):
             distributed.unshard([x[:, :4], x[:, :3]], layout=layout)
+    with pytest.raises(ValueError, match="rank must be an int from 0 to size - 1 = 2, got -1"):
+        distributed.shard_positions(12, 3, -1, layout=layout)
+    with pytest.raises(ValueError, match="seqlen must be an int of at least 0, got -6"):
+        distributed.shard_positions(-6, 3, 0, layout=layout)
+    with pytest.raises(ValueError, match="size must be an int of at least 1, got 3.0"):
+        distributed.shard(x, 3.0, layout=layout)
 
 
 def test_import_cuflash_does_not_import_distributed():

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,13 +57,18 @@ def check_layout(layout) -> str:
     return layout
 
 
+def check_int(name: str, x, least: int) -> None:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < least:
+        raise ValueError(f"{name} must be an int of at least {least}, got {x!r}")
+
+
 def shard_lengths(seqlen: int, size: int, layout: str = "contiguous") -> tuple[int, ...]:
     """The rows of each rank's shard of a sequence of ``seqlen`` positions: ``contiguous``, as
     equal as they come (the first ``seqlen % size`` ranks one more); ``zigzag``, ``2 * seqlen /
     (2 * size)`` each (ValueError unless ``2 * size`` divides ``seqlen``)."""
     check_layout(layout)
-    if size < 1:
-        raise ValueError(f"size must be a positive int, got {size}")
+    check_int("seqlen", seqlen, 0)
+    check_int("size", size, 1)
     if layout == "zigzag":
         if seqlen % (2 * size):
             raise ValueError(f"the zigzag layout cuts the sequence into 2 * {size} chunks of equal length: "

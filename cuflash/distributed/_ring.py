@@ -511,6 +511,7 @@ def ring_attention_vjp(q, k, v, comm, *, deterministic=True, **keywords):
 
 
 def _lengths_of(total, size, layout, lengths):
+    _plan.check_int("size", size, 1)
     if lengths is None:
         return _plan.shard_lengths(total, size, layout)
     lengths = tuple(int(n) for n in lengths)
@@ -526,6 +527,8 @@ def shard_positions(seqlen: int, size: int, rank: int, *, layout: str = "contigu
     the like): ``layout`` and ``lengths`` as for `shard`."""
     _plan.check_layout(layout)
     lengths = _lengths_of(seqlen, size, layout, lengths)
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < size:
+        raise ValueError(f"rank must be an int from 0 to size - 1 = {size - 1}, got {rank!r}")
     return _plan.positions(_plan.segments(layout, lengths, rank))
 
 
