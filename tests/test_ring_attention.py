@@ -346,6 +346,8 @@ def test_shard_and_unshard(layout):
         distributed.shard_positions(-6, 3, 0, layout=layout)
     with pytest.raises(ValueError, match="size must be an int of at least 1, got 3.0"):
         distributed.shard(x, 3.0, layout=layout)
+    with pytest.raises(ValueError, match="shards must hold every rank's shard, got none"):
+        distributed.unshard([], layout=layout)
 
 
 def test_import_cuflash_does_not_import_distributed():

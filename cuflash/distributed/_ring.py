@@ -553,6 +553,8 @@ def shard(x, size: int, *, layout: str = "contiguous", lengths=None, axis: int =
 def unshard(shards, *, layout: str = "contiguous", axis: int = -2):
     """The whole sequence from every rank's shard, in rank order (`shard`'s inverse)."""
     _plan.check_layout(layout)
+    if not shards:
+        raise ValueError("shards must hold every rank's shard, got none")
     lengths = tuple(s.shape[axis] for s in shards)
     if layout == "zigzag" and (len(set(lengths)) > 1 or lengths[0] % 2):
         raise ValueError(f"zigzag shards hold the same even number of rows each, got {list(lengths)}")
