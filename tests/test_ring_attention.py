@@ -390,3 +390,5 @@ def test_launch_returns_every_rank_result_and_reports_failures():
     assert str(err.value).endswith("--- rank 2 ---\nthe process exited with code 3")
     with pytest.raises(ValueError, match=r"devices must name 2 GPUs, got \[0\]"):
         _launch._spawn(ring_workers.rank_says, 2, (1,), [0], 120, ring_workers.FakeComm, b"id")
+    with pytest.raises(ValueError, match="size must be an int of at least 1, got 0"):   # before any GPU work
+        distributed.launch(ring_workers.rank_says, 0)

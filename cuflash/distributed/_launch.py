@@ -10,6 +10,7 @@ import time
 import traceback
 
 from ._nccl import NcclCommunicator, unique_id
+from ._plan import check_int
 
 _LAST_WORDS = 5.0   # seconds a process that exited with 0 has for its result to arrive
 
@@ -55,14 +56,21 @@ def launch(fn, size: int, *args, devices=None, timeout: float = 3600.0, comm_tim
     killed. A rank that fails makes the call raise `LaunchError` with its traceback (the others
     then fail on their communicators' timeouts, or finish).
     """
+    devices = _devices(size, devices)   # before the unique id, which needs a GPU
     return _spawn(fn, size, args, devices, timeout, functools.partial(_nccl, timeout=comm_timeout), unique_id())
+
+
+def _devices(size, devices) -> list:
+    check_int("size", size, 1)
+    devices = list(range(size)) if devices is None else list(devices)
+    if len(devices) != size:
+        raise ValueError(f"devices must name {size} GPUs, got {devices}")
+    return devices
 
 
 def _spawn(fn, size, args, devices, timeout, make_comm, uid):
     """`launch` with the communicators made by ``make_comm(size, uid, rank, device)`` (picklable)."""
-    devices = list(range(size)) if devices is None else list(devices)
-    if len(devices) != size:
-        raise ValueError(f"devices must name {size} GPUs, got {devices}")
+    devices = _devices(size, devices)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     procs = [context.Process(target=_rank_main, args=(fn, r, size, uid, devices[r], args, results, make_comm),
