@@ -38,13 +38,19 @@ SCRIPTS = [
 ]
 
 
+def no_gpu_env() -> dict:
+    """The environment of a script run here: no GPU visible, and the cuflash under test on the
+    path (also for the examples, which import whichever cuflash is installed)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
 @pytest.mark.parametrize("script, args", SCRIPTS, ids=[s for s, _ in SCRIPTS])
 def test_script_without_gpu_says_why_in_one_line(tmp_path, script, args):
     if not (ROOT / script).is_file():
         pytest.skip(f"{script} is not beside the tests (they run outside a source checkout)")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    # the cuflash under test, also for the examples, which import whichever cuflash is installed
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    env = no_gpu_env()
     argv = [sys.executable, str(ROOT / script)] + [a.format(tmp=tmp_path) for a in args]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     lines = done.stderr.strip().splitlines()
@@ -57,8 +63,7 @@ def test_script_without_gpu_says_why_in_one_line(tmp_path, script, args):
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
 def test_example_help_works_without_gpu(script):
     """--help is read before the GPU check: it prints the usage and exits 0 on any machine."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    env = no_gpu_env()
     done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -159,8 +164,7 @@ def test_modifiers_lists_its_cases_without_gpu():
     """bench/modifiers.py --help and --list run anywhere: --list prints every case with its
     providers and planned skips (dropout: no FlexAttention) and the count of rows."""
     script = modifiers_script()
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    env = no_gpu_env()
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage: modifiers.py "), done.stdout + done.stderr
     done = subprocess.run([sys.executable, str(script), "--list", "--quick"], capture_output=True, text=True,
@@ -185,8 +189,7 @@ def test_ring_attention_bench_lists_its_cases_without_gpu():
     script = ROOT / "bench" / "ring_attention.py"
     if not script.is_file():
         pytest.skip("bench/ring_attention.py is not beside the tests (they run outside a source checkout)")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    env = no_gpu_env()
     env.pop("WORLD_SIZE", None)
     done = subprocess.run([sys.executable, str(script), "--list", "--no-torch"], capture_output=True, text=True,
                           env=env, timeout=120)
@@ -214,8 +217,7 @@ def test_ring_attention_example_runs_the_stand_in_on_the_cpu():
     script = ROOT / "examples" / "ring_attention.py"
     if not script.is_file():
         pytest.skip("examples/ring_attention.py is not beside the tests (they run outside a source checkout)")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    env = no_gpu_env()
     done = subprocess.run([sys.executable, str(script), "--cpu", "--ranks", "3", "--n", "48"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -305,8 +307,7 @@ def end_to_end_script():
 
 
 def run_end_to_end(*args, timeout=120):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(cuflash.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    env = no_gpu_env()
     return subprocess.run([sys.executable, str(end_to_end_script()), *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
