@@ -263,8 +263,10 @@ def test_not_a_communicator():
 
 
 def test_a_rank_that_fails_mid_ring_stops_the_others():
-    """Rank 2 raises in its second step's attention; the others stop with PeerError at their
-    next wait; run_ranks raises rank 2's own error."""
+    """Rank 2 raises in its second step's attention; run_ranks raises rank 2's own error. No
+    other rank hangs: each either finishes with what it had already been sent (the threads'
+    timing decides) or stops with PeerError at its next wait, and rank 3, which needs rank 2's
+    last forward, always stops."""
     x = np.random.default_rng(0).standard_normal((1, 8, 8))
     real = _ring._Backend.forward
     calls = {}
@@ -285,7 +287,11 @@ def test_a_rank_that_fails_mid_ring_stops_the_others():
         errors = distributed.run_ranks(4, lambda comm: distributed.ring_attention(x, x, x, comm),
                                        return_exceptions=True)
     assert isinstance(errors[2], MemoryError)
+    assert isinstance(errors[3], distributed.PeerError), errors[3]
     for r in (0, 1, 3):
+        if isinstance(errors[r], np.ndarray):
+            assert errors[r].shape == x.shape   # its shard's rows: it had been sent all it needed
+            continue
         assert isinstance(errors[r], distributed.PeerError), errors[r]
         assert "rank 2 failed" in str(errors[r]) and "out of memory on rank 2" in str(errors[r])
 
