@@ -35,12 +35,30 @@ def _host_tensor(x):
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
+class _StreamHandle:
+    """A torch stream through the CUDA stream protocol, which CuPy 14 reads; it keeps the torch
+    stream alive as long as CuPy's wrapper of it."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __cuda_stream__(self):
+        return (0, self.stream.cuda_stream)
+
+
+def _cupy_stream(cupy, stream):
+    """The same cudaStream_t as a CuPy stream: nothing created, nothing synchronised."""
+    if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14 (ExternalStream is deprecated there)
+        return cupy.cuda.Stream.from_external(_StreamHandle(stream))
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+
 def _backend(device):
     """(the functions, tensor -> array, array -> tensor, the context to call them in) for a device."""
     if device.type == "cuda":
         cupy = _checks.require_cupy()
         # torch's current stream, so that the kernels are ordered with torch's work and nobody waits
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+        stream = _cupy_stream(cupy, torch.cuda.current_stream(device))
         return _api, lambda t: cupy.from_dlpack(t.detach()), torch.from_dlpack, stream
     if device.type == "cpu":
         return reference, _host_array, _host_tensor, contextlib.nullcontext()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 from conftest import requires_gpu
@@ -391,7 +392,8 @@ def test_gpu_inputs_reach_the_kernels_without_a_copy_on_torch_stream(monkeypatch
         return array
 
     monkeypatch.setattr(cupy, "from_dlpack", spy)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)   # no deprecated CuPy stream API
         out = ct.attention(q, k, v)
     assert [s[:2] for s in seen] == [(x.data_ptr(),) * 2 for x in (q, k, v)]
     assert {s[2] for s in seen} == {stream.cuda_stream}
