@@ -1,9 +1,9 @@
 """The kernels' host-and-device math on the host compiler, against cuflash.reference.
 
 No GPU and no CuPy needed: kernels/attention/dropout.cuh's keep function (per element, and the
-one Philox call for a thread's 8 elements of a 16 x 16 fragment tile) must equal
-cuflash.reference.dropout_keep bit for bit, over random seeds (all 64 bits), batch entries past
-2**32, positions and dropout probabilities.
+one or two Philox calls for a thread's 8 elements of a 16 x 16 fragment tile, queries or keys
+in its rows) must equal cuflash.reference.dropout_keep bit for bit, over random seeds (all 64
+bits), batch entries past 2**32, positions and dropout probabilities.
 """
 
 import ctypes
@@ -33,18 +33,28 @@ extern "C" void keep(unsigned long long seed, unsigned threshold, long long coun
     const Dropout dropout = make(seed, threshold);
     for (long long e = 0; e < count; ++e) out[e] = dropout.keep(n[e], i[e], j[e]);
 }
-// the 16 x 16 tile at (i0, j0) as the 32 threads of a warp hold it, written out row-major
-extern "C" void keep_tile(unsigned long long seed, unsigned threshold, unsigned long long n, long long i0,
-                          long long j0, unsigned char* out) {
+// the 16 x 16 tile at (i0, j0) as the 32 threads of a warp hold it (kept bits of each thread's
+// 8 elements, rows g + 8h, columns 8jb + 2t + b), written out row-major
+template <class Bits>
+static void tile(unsigned long long seed, unsigned threshold, unsigned char* out, Bits bits) {
     const Dropout dropout = make(seed, threshold);
     for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, t = lane % 4;
-        const unsigned kept = dropout.keep_tile(n, i0, j0, g, t);
+        const unsigned kept = bits(dropout, g, t);
         for (int h = 0; h < 2; ++h)
             for (int jb = 0; jb < 2; ++jb)
                 for (int b = 0; b < 2; ++b)
                     out[(g + 8 * h) * 16 + 8 * jb + 2 * t + b] = (kept >> (4 * h + 2 * jb + b)) & 1;
     }
+}
+extern "C" void keep_tile(unsigned long long seed, unsigned threshold, unsigned long long n, long long i0,
+                          long long j0, unsigned char* out) {
+    tile(seed, threshold, out, [&](const Dropout& d, int g, int t) { return d.keep_tile(n, i0, j0, g, t); });
+}
+// keys in rows: out[key][query]
+extern "C" void keep_tile_transposed(unsigned long long seed, unsigned threshold, unsigned long long n, long long i0,
+                                     long long j0, unsigned char* out) {
+    tile(seed, threshold, out, [&](const Dropout& d, int g, int t) { return d.keep_tile_transposed(n, i0, j0, g, t); });
 }
 """
 
@@ -94,6 +104,9 @@ def test_a_threads_tile_equals_the_reference(lib, seed, p, n, i0, j0):
                   ctypes.c_longlong(i0), ctypes.c_longlong(j0), pointer(got))
     want = reference.dropout_keep(seed, np.uint64(n), i0 + np.arange(16)[:, None], j0 + np.arange(16), p)
     np.testing.assert_array_equal(got.astype(bool), want)
+    lib.keep_tile_transposed(ctypes.c_ulonglong(seed), ctypes.c_uint(reference.dropout_threshold(p)),
+                             ctypes.c_ulonglong(n), ctypes.c_longlong(i0), ctypes.c_longlong(j0), pointer(got))
+    np.testing.assert_array_equal(got.astype(bool), want.T)
 
 
 def test_kept_fraction_is_one_minus_p(lib):

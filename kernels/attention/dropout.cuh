@@ -5,14 +5,14 @@
 #pragma once
 
 #if defined(__CUDACC__)
-#define CUFLASH_HOST_DEVICE __host__ __device__
+#define CUFLASH_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define CUFLASH_HOST_DEVICE
+#define CUFLASH_HOST_DEVICE inline
 #endif
 
 namespace cuflash {
 
-CUFLASH_HOST_DEVICE inline unsigned int mul_hi(unsigned int a, unsigned int b) {
+CUFLASH_HOST_DEVICE unsigned int mul_hi(unsigned int a, unsigned int b) {
 #if defined(__CUDA_ARCH__)
     return __umulhi(a, b);
 #else
@@ -21,7 +21,7 @@ CUFLASH_HOST_DEVICE inline unsigned int mul_hi(unsigned int a, unsigned int b) {
 }
 
 // Philox4x32-10 on counter (c0, c1, c2, c3) under key (k0, k1), in place
-CUFLASH_HOST_DEVICE inline void philox4x32_10(unsigned int& c0, unsigned int& c1, unsigned int& c2,
+CUFLASH_HOST_DEVICE void philox4x32_10(unsigned int& c0, unsigned int& c1, unsigned int& c2,
                                               unsigned int& c3, unsigned int k0, unsigned int k1) {
     constexpr unsigned int M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
 #pragma unroll
@@ -39,7 +39,7 @@ CUFLASH_HOST_DEVICE inline void philox4x32_10(unsigned int& c0, unsigned int& c1
 }
 
 // word w (0 to 3) of four, without indexing (a register array indexed at run time spills)
-CUFLASH_HOST_DEVICE inline unsigned int pick_word(unsigned int c0, unsigned int c1, unsigned int c2, unsigned int c3,
+CUFLASH_HOST_DEVICE unsigned int pick_word(unsigned int c0, unsigned int c1, unsigned int c2, unsigned int c3,
                                                   unsigned int w) {
     return w & 2 ? (w & 1 ? c3 : c2) : (w & 1 ? c1 : c0);
 }
@@ -75,6 +75,27 @@ struct Dropout {
         for (int w = 0; w < 4; ++w)   // word w = 2h + jb
 #pragma unroll
             for (int b = 0; b < 2; ++b) kept |= unsigned(((words[w] >> (16 * b)) & 0xFFFFu) >= threshold) << (2 * w + b);
+        return kept;
+    }
+
+    // keep_tile with keys in rows (the dk/dv pass's transposed scores): thread (g, t) holds keys
+    // j0 + g + 8h of queries i0 + 8jb + 2t + b. Two Philox calls, one per b; the same bits.
+    CUFLASH_HOST_DEVICE unsigned int keep_tile_transposed(unsigned long long n, long long i0, long long j0, int g,
+                                                          int t) const {
+        unsigned int kept = 0;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            unsigned int c0 = static_cast<unsigned int>((j0 / 16) * 4 + g / 2);
+            unsigned int c1 = static_cast<unsigned int>((i0 / 16) * 8 + 2 * t + b);
+            unsigned int c2 = static_cast<unsigned int>(n), c3 = static_cast<unsigned int>(n >> 32);
+            philox4x32_10(c0, c1, c2, c3, key0, key1);
+            const unsigned int words[4] = {c0, c1, c2, c3};
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {   // word w = 2jb + h
+                const unsigned int half = (words[w] >> (16 * (g & 1))) & 0xFFFFu;
+                kept |= unsigned(half >= threshold) << (4 * (w & 1) + 2 * (w >> 1) + b);
+            }
+        }
         return kept;
     }
 };
