@@ -31,7 +31,6 @@ KERNEL_FILES = (
     # attention/: what every kernel shares
     "attention/mask.cuh",
     "attention/softmax.cuh",
-    "attention/dropout.cuh",
     "attention/score_path.cuh",
     "attention/tile_config.cuh",
     "attention/schedule.cuh",
