@@ -40,8 +40,10 @@ def _array_key(a):
         getattr(getattr(a, "device", None), "id", None),)
 
 
-def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int) -> ScoreMods:
-    """Checks the modifiers against the call's broadcast batch dims; raises naming the argument."""
+def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int, scale: float) -> ScoreMods:
+    """Checks the modifiers against the call's broadcast batch dims and scale; raises naming
+    the argument. The kernels keep ALiBi's term in raw score units (1 / scale of the scaled
+    ones), so they take slopes with a scale other than 0 (cuflash.reference takes 0)."""
     cap = _checks.check_softcap(softcap)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
@@ -49,6 +51,9 @@ def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int) -> Score
             _checks.check_per_entry(name, x, batch_shape)
             if x.device.id != device:
                 raise ValueError(f"{name} is on device {x.device.id}, but q is on device {device}")
+    if alibi_slopes is not None and scale == 0:
+        raise NotImplementedError("cuflash's kernels take alibi_slopes with a scale other than 0, got scale=0 "
+                                  "(cuflash.reference takes it)")
     return ScoreMods(cap, alibi_slopes is not None, sinks is not None)
 
 

@@ -236,3 +236,22 @@ def test_bad_modifiers_raise_before_any_launch(bad, error):
             kw[name] = cupy.ones(value, dtype=cupy.float32)
     with pytest.raises(error, match=next(iter(bad))):
         cuflash.attention(q, k, v, **kw)
+
+
+def test_alibi_with_scale_zero_is_refused():
+    """The kernels keep ALiBi's term in units of the scale: with scale 0 they would drop it, so
+    they refuse it (NotImplementedError naming alibi_slopes) before any launch."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(29)
+    q, k, v = (random_array(rng, (1, 2, 40, 64), np.float16) for _ in range(3))
+    slopes = cupy.full((2,), 0.5, dtype=cupy.float32)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        cuflash.attention(q, k, v, scale=0.0, alibi_slopes=slopes)
+    # caches (B, Hkv, 1, N, D) against one new row per head, q (B, Hkv, 1, 1, D)
+    caches, row = [x[:, :, None] for x in (k, v)], cupy.ascontiguousarray(q[:, :, None, :1])
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        cuflash.attention_kvcache(row, *caches, scale=0.0, alibi_slopes=slopes[:, None])
+    cuflash.attention(q, k, v, scale=0.0, softcap=5.0)   # softcap of 0 scores is 0: taken
