@@ -6,6 +6,7 @@ of these tests are in test_ring_attention_gpu.py.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -206,6 +207,24 @@ def test_mismatched_shards_raise_the_same_error_on_every_rank():
         "ring_attention: rank 1: q must be a numpy.ndarray, the communicator's array module, got builtins.list"
     err = every_rank_raises(2, lambda r: (x, x, x), causal=None)
     assert isinstance(err, TypeError) and "rank 0: causal must be a bool" in str(err)
+
+
+@pytest.mark.parametrize("char", ["x", "\u00e9", "\u4e2d", "\U0001f600", "\x01"])
+def test_a_long_error_message_fits_the_handshake(char):
+    """However long the message and whatever its characters (escaped in JSON they take up to 12
+    bytes), a rank's part fits allgather_bytes' limit and carries the start of the message."""
+    from cuflash.distributed._comm import MAX_PAYLOAD
+
+    facts = {"n": 8, "batch": [2, 4]}
+    for length in (10, 5000, 100_000):
+        message = char * length
+        part = _ring._payload(3, 4, ValueError(message), facts)
+        assert len(part) <= MAX_PAYLOAD
+        said = json.loads(part)
+        assert said["rank"] == 3 and said["batch"] == [2, 4] and said["error"][0] == "ValueError"
+        assert said["error"][1] and message.startswith(said["error"][1])
+        assert len(said["error"][1]) == length or len(part) > MAX_PAYLOAD // 4
+    assert json.loads(_ring._payload(0, 1, None, facts))["error"] is None
 
 
 def test_ranks_that_disagree_on_a_keyword_raise_on_every_rank():

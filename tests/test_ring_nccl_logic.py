@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
+import time
 import types
 
 import numpy as np
@@ -223,3 +225,24 @@ def test_unique_id_rendezvous_through_a_file(tmp_path, monkeypatch):
         _nccl._id_tuple(b"abc")
     with pytest.raises(RingTimeoutError, match="did not appear in"):
         _nccl.share_unique_id(str(tmp_path / "never.uid"), 2, timeout=0.1)
+
+
+@pytest.mark.skipif(_nccl.process_start(os.getppid()) is None, reason="needs Linux's /proc")
+def test_a_file_left_by_an_earlier_run_is_not_read(tmp_path, monkeypatch):
+    """A rendezvous file older than the launcher (here pytest's parent) is an earlier run's:
+    the other ranks wait for rank 0's new one rather than join with a stale id."""
+    launched = _nccl.process_start(os.getppid())
+    assert launched <= _nccl.process_start(os.getpid()) + 1 and launched <= time.time()
+    path = tmp_path / "run.uid"
+    path.write_bytes(b"\x01" * 128)
+    os.utime(path, (launched - 100, launched - 100))
+    got = []
+    reader = threading.Thread(target=lambda: got.append(_nccl.share_unique_id(str(path), 1, timeout=5)))
+    reader.start()
+    time.sleep(0.3)
+    assert not got   # still waiting: the old file is not this run's
+    fresh = bytes(range(128))
+    monkeypatch.setattr(_nccl, "unique_id", lambda: fresh)
+    assert _nccl.share_unique_id(str(path), 0) == fresh
+    reader.join(10)
+    assert got == [fresh]

@@ -102,7 +102,7 @@ class NcclCommunicator:
         and ``LOCAL_RANK`` (the GPU, made the process's current one) from the environment; rank 0
         makes the unique id and hands it over through the file ``rendezvous`` (default: in the
         temporary directory, named after ``TORCHELASTIC_RUN_ID`` or ``MASTER_PORT``), which it
-        removes once every rank joined."""
+        removes once every rank joined; the name also counts torchrun's restarts)."""
         try:
             rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except KeyError as err:
@@ -111,7 +111,8 @@ class NcclCommunicator:
         device = int(os.environ.get("LOCAL_RANK", rank))
         if rendezvous is None:
             run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "default"
-            rendezvous = os.path.join(tempfile.gettempdir(), f"cuflash-nccl-{run}.uid")
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            rendezvous = os.path.join(tempfile.gettempdir(), f"cuflash-nccl-{run}-{restart}.uid")
         uid = share_unique_id(rendezvous, rank, timeout)
         comm = cls(size, uid, rank, device=device, timeout=timeout)
         comm.xp.cuda.Device(device).use()
@@ -226,10 +227,25 @@ class _NcclRequest:
         self.keep = None
 
 
+def process_start(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (from Linux's /proc, to about a
+    second); None where that is not known."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()   # (after the command's name, which may hold spaces)
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22, starttime, in clock ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def share_unique_id(path: str, rank: int, timeout: float = 300.0) -> bytes:
     """Rank 0 makes a unique id and writes it to ``path`` (atomically); the others wait for the
-    file (at most ``timeout`` seconds) and read it. A file left by an earlier run with the same
-    name would be read too: name it after the run."""
+    file (at most ``timeout`` seconds) and read it. A file older than the process that started
+    this one (the launcher, which started every rank) is one an earlier run left behind: it is
+    not read, but waited past. Elsewhere than Linux such a file would be read: name it after the
+    run."""
     if rank == 0:
         uid = unique_id()
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -238,11 +254,13 @@ def share_unique_id(path: str, rank: int, timeout: float = 300.0) -> bytes:
         os.replace(tmp, path)
         return uid
     deadline = time.monotonic() + timeout
+    launched = process_start(os.getppid())
     while True:
         try:
             with open(path, "rb") as f:
+                fresh = launched is None or os.fstat(f.fileno()).st_mtime >= launched - 1   # (btime's second)
                 data = f.read()
-            if len(data) == UNIQUE_ID_BYTES:
+            if fresh and len(data) == UNIQUE_ID_BYTES:
                 return data
         except FileNotFoundError:
             pass

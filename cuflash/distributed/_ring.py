@@ -231,6 +231,18 @@ def _local_facts(backend, comm, q, k, v, o) -> dict:
             "batch": list(batch)}
 
 
+def _payload(rank: int, size: int, error, facts: dict) -> bytes:
+    """A rank's part of the handshake as JSON of at most MAX_PAYLOAD bytes: an error's message
+    is cut, in whole characters, until it fits (escaped, one character may take 12 bytes)."""
+    message = None if error is None else str(error)
+    while True:
+        said = None if error is None else [type(error).__name__, message]
+        mine = json.dumps({"rank": rank, "size": size, "error": said, **facts}).encode()
+        if len(mine) <= MAX_PAYLOAD or not message:
+            return mine
+        message = message[: len(message) // 2]
+
+
 def _handshake(name, backend, comm, q, k, v, o) -> _Options:
     """Every rank's facts through one allgather, then the same checks on every rank: an error
     on one rank, or ranks that disagree, raise the same error on all of them before any send."""
@@ -239,9 +251,7 @@ def _handshake(name, backend, comm, q, k, v, o) -> _Options:
         facts = _local_facts(backend, comm, q, k, v, o)
     except Exception as err:   # noqa: BLE001 - said to every rank, raised on every rank below
         facts, error = {}, err
-    said = None if error is None else [type(error).__name__, str(error)[:MAX_PAYLOAD // 2]]
-    mine = json.dumps({"rank": comm.rank, "size": comm.size, "error": said, **facts}).encode()
-    parts = [json.loads(x) for x in comm.allgather_bytes(mine)]
+    parts = [json.loads(x) for x in comm.allgather_bytes(_payload(comm.rank, comm.size, error, facts))]
     for r, part in enumerate(parts):
         if part["error"] is not None:
             kind, message = part["error"]
