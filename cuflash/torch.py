@@ -129,7 +129,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tenso
                    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
                    window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
                    softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                   groups: int, check: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
+                   groups: int, check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
     # deterministic is the backward's, kept here because the autograd formula sees only these inputs
     packed = cu_seqlens_q is not None
     fns, array, tensor, stream = _backend(q.device)
@@ -159,13 +159,13 @@ def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
                    window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
                    softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                   groups: int, check: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   groups: int, check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, and dsinks (empty without sinks: an op's outputs cannot be None)."""
     packed = cu_seqlens_q is not None
     fns, array, tensor, stream = _backend(q.device)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
-    # torch's switch can only ask for more determinism, as it does of torch's own kernels
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if deterministic is None:   # not given: torch's switch, read when the backward runs, as torch's kernels do
+        deterministic = torch.are_deterministic_algorithms_enabled()
     with stream:
         grads = fns.attention_backward(
             array(_kernel_rows(dout, packed, groups)), array(qk), array(kk), array(vk),
@@ -244,7 +244,7 @@ def _groups(q, k, v, packed, enable_gqa):
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False, enable_gqa=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-              softcap=None, alibi_slopes=None, sinks=None, deterministic=True):
+              softcap=None, alibi_slopes=None, sinks=None, deterministic=None):
     """``cuflash.attention`` on torch tensors in SDPA's layout, differentiable.
 
     q (B, Hq, N, D), k, v (B, Hkv, Nk, D / Dv); packed sequences (both ``cu_seqlens_q`` and
@@ -252,7 +252,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     ``enable_gqa`` as in SDPA: query head h attends key head ``h // (Hq / Hkv)``. ``alibi_slopes``
     and ``sinks`` (float32) one per query head on their last axis, usually (Hq,). The other
     keywords are ``cuflash.attention``'s; ``deterministic`` is the backward's
-    (``cuflash.attention_backward``), and ``torch.use_deterministic_algorithms(True)`` forces it.
+    (``cuflash.attention_backward``), by default ``torch.are_deterministic_algorithms_enabled()``
+    when the backward runs. Under autocast q, k and v are cast to its dtype first, as SDPA's are.
 
     Returns out (B, Hq, N, Dv) or packed (total_q, Hq, Dv), and with ``return_lse`` also lse,
     float32, (B, Hq, N) or packed (Hq, total_q), not differentiable. Gradients reach q, k, v
@@ -262,10 +263,21 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     if packed and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("packed sequences need both cu_seqlens_q and cu_seqlens_k")
     groups = _groups(q, k, v, packed, enable_gqa)
+    q, k, v = _autocast(q, k, v)
     left, right = _sides(window)
     out, lse = _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right,
                               scale, softcap, alibi_slopes, sinks, groups, check, deterministic)
     return (out, lse) if return_lse else out
+
+
+def _autocast(*xs):
+    """The tensors in autocast's dtype where it is on for their device (floating ones), as
+    autocast casts SDPA's inputs; else as they are."""
+    device = xs[0].device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        return xs
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
 
 
 def _call(fn_name, device, *args, **kwargs):

@@ -152,6 +152,39 @@ def test_cpu_forward_and_gradients_match_sdpa(hq, hkv, causal):
     assert_all_close(got, want, CPU_TOL)
 
 
+def test_cpu_autocast_gives_sdpas_dtype():
+    """Under autocast q, k, v are cast to its dtype as SDPA's are: the output has SDPA's dtype and
+    values, and float32 inputs get float32 gradients."""
+    q, k, v = qkv(1, 4, 4, 32, 32, 16, dtype=torch.float32, grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ct.attention(q, k, v, causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), atol=2e-2)
+    got.float().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in (q, k, v))
+    assert ct.attention(q, k, v).dtype == torch.float32   # and without autocast, nothing is cast
+
+
+@pytest.mark.parametrize("given, switch, want", [(None, False, False), (None, True, True), (True, False, True),
+                                                 (False, True, False)])
+def test_deterministic_follows_torchs_switch_unless_given(monkeypatch, given, switch, want):
+    from cuflash import reference
+
+    seen = []
+    real = reference.attention_backward
+    monkeypatch.setattr(reference, "attention_backward", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    q, k, v = qkv(1, 2, 2, 8, 8, 16, grad=True)
+    out = ct.attention(q, k, v, **({} if given is None else {"deterministic": given}))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(switch)   # read when the backward runs, as torch's kernels do
+    try:
+        out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert seen == [want]
+
+
 def test_cpu_views_in_the_bnhd_layout():
     # (B, N, H, D) tensors transposed to (B, H, N, D), as models hold them
     q, k, v = (make((2, 24, h, 16), seed=s).transpose(1, 2).requires_grad_() for s, h in ((1, 8), (2, 2), (3, 2)))
