@@ -294,6 +294,29 @@ def test_cpu_torch_compile_without_graph_breaks():
     got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    # later steps, new values of the same shapes (and the switch read by the backward): no recompilation
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(3):
+            xs = [make(x.shape, dtype=x.dtype, seed=10 + 4 * step + i, grad=True) for i, x in enumerate((q, k, v, sinks))]
+            got = torch.autograd.grad(compiled(*xs), xs)
+            for a, b in zip(got, torch.autograd.grad(loss(*xs), xs)):
+                assert torch.equal(a, b)
+
+
+def test_cpu_activation_checkpointing_gives_the_same_gradients():
+    """torch.utils.checkpoint recomputes the forward in the backward: the same gradients, bitwise."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = qkv(2, 8, 2, 24, 24, 16, grad=True)
+    sinks = make((8,), dtype=torch.float32, seed=5, grad=True)
+
+    def layer(q, k, v, sinks):
+        return ct.attention(q, k, v, causal=True, enable_gqa=True, sinks=sinks).tanh()
+
+    want = torch.autograd.grad(layer(q, k, v, sinks).sum(), (q, k, v, sinks))
+    got = torch.autograd.grad(checkpoint(layer, q, k, v, sinks, use_reentrant=False).sum(), (q, k, v, sinks))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_cpu_kvcache_and_merge_compile_without_graph_breaks():
@@ -396,6 +419,40 @@ def test_gpu_kvcache_and_merge_agree_with_the_cpu_path():
         assert got.shape == want.shape, name
         scale = max(1.0, want.abs().max().item())
         assert (got.cpu().double() - want.double()).abs().max().item() <= 1e-2 * scale, name
+
+
+@requires_gpu
+def test_gpu_decoding_step_under_cuda_graph_capture():
+    """A decoding step (append one token per sequence, attend over the cache) captured in a CUDA
+    graph and replayed: the same out and caches as the same step run eagerly, with the lengths a
+    tensor the graph reads when it replays (check=False: no host synchronisation)."""
+    dt, dev = torch.float16, "cuda"
+    q = make((3, 8, 1, 64), dtype=dt, device=dev, seed=1)
+    new = [make((3, 2, 1, 64), dtype=dt, device=dev, seed=s) for s in (4, 5)]
+    lengths = torch.tensor([0, 100, 254], dtype=torch.int32, device=dev)
+
+    def caches():
+        return [make((3, 2, 256, 64), dtype=dt, device=dev, seed=s) for s in (2, 3)]
+
+    def step(kc, vc):
+        return ct.attention_kvcache(q, kc, vc, k_new=new[0], v_new=new[1], cache_seqlens=lengths,
+                                    enable_gqa=True, check=False)
+
+    eager_caches = caches()
+    want = step(*eager_caches)
+    graph_caches = caches()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # the kernels compiled, the plan made, before capture
+        step(*caches())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(*graph_caches)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(graph_caches, eager_caches))
 
 
 @requires_gpu
