@@ -101,8 +101,8 @@ class NcclCommunicator:
         """The communicator of a process started by torchrun or the like: ``RANK``, ``WORLD_SIZE``
         and ``LOCAL_RANK`` (the GPU, made the process's current one) from the environment; rank 0
         makes the unique id and hands it over through the file ``rendezvous`` (default: in the
-        temporary directory, named after ``TORCHELASTIC_RUN_ID`` or ``MASTER_PORT``), which it
-        removes once every rank joined; the name also counts torchrun's restarts)."""
+        temporary directory, named after ``TORCHELASTIC_RUN_ID`` or ``MASTER_PORT`` and torchrun's
+        restart count), which it removes once every rank joined."""
         try:
             rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except KeyError as err:
