@@ -46,13 +46,23 @@ def no_gpu_env() -> dict:
     return env
 
 
+def run_script(script, *args, env=None, timeout=120):
+    """A script run here with ``args`` (in ``no_gpu_env()`` unless ``env`` is given), its output captured."""
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=no_gpu_env() if env is None else env, timeout=timeout)
+
+
+def in_checkout(path):
+    """The file at ``path`` in the source checkout, or a skip where the tests run outside one."""
+    script = ROOT / path
+    if not script.is_file():
+        pytest.skip(f"{path} is not beside the tests (they run outside a source checkout)")
+    return script
+
+
 @pytest.mark.parametrize("script, args", SCRIPTS, ids=[s for s, _ in SCRIPTS])
 def test_script_without_gpu_says_why_in_one_line(tmp_path, script, args):
-    if not (ROOT / script).is_file():
-        pytest.skip(f"{script} is not beside the tests (they run outside a source checkout)")
-    env = no_gpu_env()
-    argv = [sys.executable, str(ROOT / script)] + [a.format(tmp=tmp_path) for a in args]
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    done = run_script(in_checkout(script), *(a.format(tmp=tmp_path) for a in args))
     lines = done.stderr.strip().splitlines()
     name = Path(script).name
     assert done.returncode == 1, f"{script} exited {done.returncode}: {done.stderr[-2000:]}"
@@ -63,9 +73,7 @@ def test_script_without_gpu_says_why_in_one_line(tmp_path, script, args):
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
 def test_example_help_works_without_gpu(script):
     """--help is read before the GPU check: it prints the usage and exits 0 on any machine."""
-    env = no_gpu_env()
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = run_script(ROOT / "examples" / script, "--help")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(f"usage: {script} "), done.stdout + done.stderr
 
@@ -76,8 +84,7 @@ def run_against(script, tmp_path, now: dict, before: dict) -> list[str]:
 
     (tmp_path / "now.json").write_text(json.dumps(now))
     (tmp_path / "before.json").write_text(json.dumps(before))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "now.json"), "--against",
-                           str(tmp_path / "before.json")], capture_output=True, text=True, timeout=60)
+    done = run_script(script, str(tmp_path / "now.json"), "--against", str(tmp_path / "before.json"), timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
@@ -85,9 +92,7 @@ def run_against(script, tmp_path, now: dict, before: dict) -> list[str]:
 def test_summarize_compares_two_runs(tmp_path):
     """bench/summarize.py on two small grids: the table, the cells below FA2, and --against
     (each provider against its own earlier cell; a cell one run lacks is left out)."""
-    script = ROOT / "bench/summarize.py"
-    if not script.is_file():
-        pytest.skip("bench/summarize.py is not beside the tests (they run outside a source checkout)")
+    script = in_checkout("bench/summarize.py")
 
     def rows(cuflash_tflops, fa2=True):
         out = []
@@ -110,9 +115,7 @@ def test_summarize_compares_two_runs(tmp_path):
 def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
     """bench/summarize_decode.py on two small decoding runs: the per-dtype table, the grouped
     ranges, the large cells at 4.3 TB/s, the pages against contiguous and --against."""
-    script = ROOT / "bench/summarize_decode.py"
-    if not script.is_file():
-        pytest.skip("bench/summarize_decode.py is not beside the tests (they run outside a source checkout)")
+    script = in_checkout("bench/summarize_decode.py")
 
     def row(b, hkv, nq, cuflash_ms, cudnn_ms, paged_ms=None, kinds=("graph_ms", "queued_ms")):
         # the eager (queued) times are the graph's plus 1 ms of host time: ratios from them differ
@@ -153,22 +156,13 @@ def test_summarize_decode_counts_cells_pages_and_runs(tmp_path):
     assert lines[-1].endswith("no Nq = 1 cell timed by graph_ms in both runs"), lines[-1]
 
 
-def modifiers_script():
-    script = ROOT / "bench" / "modifiers.py"
-    if not script.is_file():
-        pytest.skip("bench/modifiers.py is not beside the tests (they run outside a source checkout)")
-    return script
-
-
 def test_modifiers_lists_its_cases_without_gpu():
     """bench/modifiers.py --help and --list run anywhere: --list prints every case with its
     providers and planned skips (dropout: no FlexAttention) and the count of rows."""
-    script = modifiers_script()
-    env = no_gpu_env()
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env, timeout=120)
+    script = in_checkout("bench/modifiers.py")
+    done = run_script(script, "--help")
     assert done.returncode == 0 and done.stdout.startswith("usage: modifiers.py "), done.stdout + done.stderr
-    done = subprocess.run([sys.executable, str(script), "--list", "--quick"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = run_script(script, "--list", "--quick")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "grid bfloat16 (H 16, D 128, B 2, N 4096, causal)"
@@ -178,21 +172,17 @@ def test_modifiers_lists_its_cases_without_gpu():
     assert "gemma2-9b bfloat16 (Hq:Hkv 16:8, D 256, B 2, N 8192, causal, window (4095, 0))" in lines
     # 10 grid cases (two of them backward only) and 3 models x 2 cases, both directions
     assert lines[-1].startswith("4 shapes, 30 rows, ")
-    done = subprocess.run([sys.executable, str(script), "--list", "--no-models", "--no-flex"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    done = run_script(script, "--list", "--no-models", "--no-flex")
     assert done.stdout.splitlines()[-1].startswith("32 shapes, 576 rows, 0 FlexAttention compilations")
 
 
 def test_ring_attention_bench_lists_its_cases_without_gpu():
     """bench/ring_attention.py --list runs anywhere: weak scaling at 128K tokens per GPU, strong
     scaling at N 128K and 1M, on 2, 4 and 8 GPUs, and the single-GPU baselines."""
-    script = ROOT / "bench" / "ring_attention.py"
-    if not script.is_file():
-        pytest.skip("bench/ring_attention.py is not beside the tests (they run outside a source checkout)")
+    script = in_checkout("bench/ring_attention.py")
     env = no_gpu_env()
     env.pop("WORLD_SIZE", None)
-    done = subprocess.run([sys.executable, str(script), "--list", "--no-torch"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = run_script(script, "--list", "--no-torch", env=env)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == ("ring attention: B 1, Hq 32, Hkv 8, D 128; bfloat16, float16; causal (zigzag), "
@@ -202,9 +192,8 @@ def test_ring_attention_bench_lists_its_cases_without_gpu():
     assert "  single P 1 N 1048576 bfloat16 causal: cuflash.attention on one GPU" in lines
     # per dtype and mask: 3 counts x (1 weak + 2 strong) + 3 single N (128K, 1M... and 128K weak once)
     assert lines[-1] == "44 cases, 88 rows; one process per GPU for 2, 4, 8 GPUs"
-    done = subprocess.run([sys.executable, str(script), "--list", "--quick", "--no-torch", "--dtypes", "float16",
-                           "--masks", "causal", "--gpus", "2", "--directions", "fwd"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = run_script(script, "--list", "--quick", "--no-torch", "--dtypes", "float16", "--masks", "causal",
+                      "--gpus", "2", "--directions", "fwd", env=env)
     assert done.stdout.splitlines()[1:] == ["  weak P 2 N 32768 float16 causal: ring, no sends, sends only",
                                             "  strong P 2 N 32768 float16 causal: ring, no sends, sends only",
                                             "  single P 1 N 16384 float16 causal: cuflash.attention on one GPU",
@@ -214,12 +203,8 @@ def test_ring_attention_bench_lists_its_cases_without_gpu():
 
 def test_ring_attention_example_runs_the_stand_in_on_the_cpu():
     """examples/ring_attention.py --cpu: every rank's rows within rounding of the reference."""
-    script = ROOT / "examples" / "ring_attention.py"
-    if not script.is_file():
-        pytest.skip("examples/ring_attention.py is not beside the tests (they run outside a source checkout)")
-    env = no_gpu_env()
-    done = subprocess.run([sys.executable, str(script), "--cpu", "--ranks", "3", "--n", "48"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    script = in_checkout("examples/ring_attention.py")
+    done = run_script(script, "--cpu", "--ranks", "3", "--n", "48")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1", "rank 2"]
@@ -231,7 +216,7 @@ def test_modifiers_counts_slopes_and_window_flops(monkeypatch):
     and model_shapes' FLOPs and grouped views with Dv != D."""
     import numpy as np
 
-    modifiers_script()
+    in_checkout("bench/modifiers.py")
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import model_shapes
     import modifiers
@@ -268,7 +253,7 @@ def test_modifiers_tables_from_saved_runs(tmp_path):
     x flex and x torch-sdpa against the row's own rivals; the skip reasons listed once each."""
     import json
 
-    script = modifiers_script()
+    script = in_checkout("bench/modifiers.py")
 
     def row(mod, direction, tflops, skipped=None, **extra):
         return {"shape": "grid", "dtype": "bfloat16", "B": 2, "Hq": 16, "Hkv": 16, "N": 4096, "D": 128,
@@ -284,9 +269,8 @@ def test_modifiers_tables_from_saved_runs(tmp_path):
                   {"flex": "FlexAttention has no dropout", "torch-cudnn": "RuntimeError: no kernel"})]
     (tmp_path / "a.json").write_text(json.dumps({"rows": first}))
     (tmp_path / "b.json").write_text(json.dumps({"rows": second}))
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out"), "--no-charts", "--charts-from",
-                           str(tmp_path / "a.json"), str(tmp_path / "b.json")], capture_output=True, text=True,
-                          timeout=120)
+    done = run_script(script, "--out", str(tmp_path / "out"), "--no-charts", "--charts-from", str(tmp_path / "a.json"),
+                      str(tmp_path / "b.json"))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "| bfloat16 | 128 | True | 4096 | none | fwd | 400 |  | 200 |  |  |  |  | 2.00 |  |  |  |  |" in lines
@@ -299,17 +283,8 @@ def test_modifiers_tables_from_saved_runs(tmp_path):
     assert "torch-sdpa picked EFFICIENT_ATTENTION for bias-table-grad bwd" in lines
 
 
-def end_to_end_script():
-    script = ROOT / "bench" / "end_to_end.py"
-    if not script.is_file():
-        pytest.skip("bench/end_to_end.py is not beside the tests (they run outside a source checkout)")
-    return script
-
-
 def run_end_to_end(*args, timeout=120):
-    env = no_gpu_env()
-    return subprocess.run([sys.executable, str(end_to_end_script()), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return run_script(in_checkout("bench/end_to_end.py"), *args, timeout=timeout)
 
 
 def test_end_to_end_lists_its_cases_without_gpu():
@@ -375,9 +350,7 @@ def test_ab_trees_takes_the_median_over_processes_per_tree():
     cuDNN, and new / old; a cell only one tree timed is left out."""
     import importlib.util
 
-    path = ROOT / "bench" / "ab_trees.py"
-    if not path.is_file():
-        pytest.skip("bench/ab_trees.py is not beside the tests (they run outside a source checkout)")
+    path = in_checkout("bench/ab_trees.py")
     spec = importlib.util.spec_from_file_location("ab_trees", path)
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
@@ -392,9 +365,7 @@ def test_ab_trees_takes_the_median_over_processes_per_tree():
 
 def test_device_check_refuses_an_unknown_step_before_running_any(tmp_path):
     """tools/device_check.sh checks every step name first: a typo costs no device time."""
-    script = ROOT / "tools" / "device_check.sh"
-    if not script.is_file():
-        pytest.skip("tools/device_check.sh is not beside the tests (they run outside a source checkout)")
+    script = in_checkout("tools/device_check.sh")
     done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "warm_cache", "gird"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
@@ -407,9 +378,7 @@ def test_device_check_packs_its_outputs_into_one_archive(tmp_path):
     results, and only steps.txt in OUTDIR (the cli step runs without a GPU too)."""
     import tarfile
 
-    script = ROOT / "tools" / "device_check.sh"
-    if not script.is_file():
-        pytest.skip("tools/device_check.sh is not beside the tests (they run outside a source checkout)")
+    script = in_checkout("tools/device_check.sh")
     out = tmp_path / "rec"
     env = dict(os.environ, PACK="1", PYTHON=sys.executable)
     done = subprocess.run(["bash", str(script), str(out), "cli"], capture_output=True, text=True, timeout=300,
