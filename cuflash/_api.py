@@ -25,11 +25,11 @@ def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
             "max_seqlen_k": max_seqlen_k, "check": check}
 
 
-def _mods(softcap, alibi_slopes, sinks):
+def _mods(softcap, alibi_slopes, sinks, bias=None, dropout_p=0.0):
     """The score modifiers as the plans take them: None when there are none."""
-    if softcap is None and alibi_slopes is None and sinks is None:
+    if softcap is None and alibi_slopes is None and sinks is None and bias is None and not dropout_p:
         return None
-    return softcap, alibi_slopes, sinks
+    return softcap, alibi_slopes, sinks, bias, dropout_p
 
 
 def _tile_lists(cupy, launches):
@@ -44,7 +44,7 @@ _NO_LISTS = types.MappingProxyType({})
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-              softcap=None, alibi_slopes=None, sinks=None):
+              softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` on the GPU.
 
     A fused FlashAttention kernel: q, k and v stream through on-chip memory in
@@ -95,6 +95,11 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     softcap : float, optional
         Caps the scaled scores: ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok). None
         or 0: no cap.
+    bias : cupy.ndarray, optional
+        Added to the scores after the cap: ``s = s + bias[..., i, j]``. The inputs' dtype or
+        float32, of a shape that broadcasts to the batch dims + (Nq, Nk) without enlarging
+        it, such as (Nq, Nk), (B, 1, 1, Nk) or (1, H, Nq, Nk); any strides. Not with packed
+        sequences.
     alibi_slopes : cupy.ndarray of float32, optional
         ALiBi: ``s = s - slope * |i + Nk - Nq - j|`` (per sequence when packed), one slope
         per batch entry: a shape that broadcasts to the batch dims, usually (H,).
@@ -103,7 +108,16 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         softmax with a value vector of 0 (gpt-oss): ``lse`` counts it, and a row that sees
         no key gets out 0 and lse equal to its sink.
 
-    The modifiers apply in the order scale, softcap, ALiBi, mask, sinks (docs/contract.md).
+    dropout_p : float, optional
+        Attention dropout: each probability is kept with probability ``1 - dropout_p`` and
+        scaled by ``1 / (1 - dropout_p)``, by a mask that is a pure function of ``seed``,
+        the batch entry, the row and the key (``cuflash.reference.dropout_keep``), whatever
+        the GPU or the tiles. ``lse`` is that of the probabilities before dropout.
+    seed : int, optional
+        ``0 <= seed < 2**64``; required when ``dropout_p > 0``. The backward takes the same.
+
+    The modifiers apply in the order scale, softcap, bias, ALiBi, mask, sinks, dropout
+    (docs/contract.md).
 
     Returns
     -------
@@ -118,7 +132,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     docs/contract.md : what the library promises (shapes, masks, accuracy, errors).
     """
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
-    mods = _mods(softcap, alibi_slopes, sinks)
+    dropout_p, seed = _checks.check_dropout(dropout_p, seed)
+    mods = _mods(softcap, alibi_slopes, sinks, bias, dropout_p)
     plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed, mods)
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
@@ -129,7 +144,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         lists = _tile_lists(cupy, plan.launches)
         counter = _launch.tile_counter(cupy, plan.device) if plan.launches.counted else None
         entries = _per_entry(cupy, mods, plan.shapes[1][:-1])
-        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), *entries, counter)
+        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), *entries, bias, seed or 0, counter)
         for launch in plan.launches.runs:
             launch.run(arrays)
         if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0
@@ -141,12 +156,13 @@ def _per_entry(cupy, mods, batch_shape):
     """(ALiBi slopes, sinks) as the kernels read them, None where absent."""
     if mods is None:
         return None, None
-    return tuple(_score_mods.per_entry(cupy, x, batch_shape) for x in mods[1:])
+    return tuple(_score_mods.per_entry(cupy, x, batch_shape) for x in mods[1:3])
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-                       deterministic=True, softcap=None, alibi_slopes=None, sinks=None):
+                       deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                       seed=None, bias_grad=False):
     """Gradients of ``attention`` with respect to q, k and v.
 
     Recomputes the scores block by block from q, k and the forward's ``lse``;
@@ -158,8 +174,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dout : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv)
         Gradient of the loss with respect to ``out``.
     q, k, v, causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
-    softcap, alibi_slopes, sinks
-        As given to ``attention``.
+    softcap, bias, alibi_slopes, sinks, dropout_p, seed
+        As given to ``attention`` (dropout's mask is made again from the seed).
+    bias_grad : bool
+        With ``bias``, also return its gradient ``dbias``.
     out, lse : cupy.ndarray
         The forward's results (``attention(..., return_lse=True)``).
     deterministic : bool
@@ -176,7 +194,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         summed over the dims it was broadcast along. Where k and v are broadcast
         along one dim of q (grouped-query attention), the kernels sum dk and dv over
         each group as they go, with no temporary of the broadcast size (not with
-        ``alibi_slopes``: then summed afterwards).
+        ``alibi_slopes``, ``bias`` or dropout: then summed afterwards).
+    dbias : cupy.ndarray, the shape and dtype of bias
+        Only with ``bias`` and ``bias_grad=True``: the gradient with respect to the biased
+        scores, summed over the dims the bias was broadcast along (in float32, in a fixed
+        order). It takes a float32 buffer of broadcast(batch dims) + (Nq, Nk).
     dsinks : cupy.ndarray, float32, the shape of sinks
         Only with ``sinks``: summed over the dims they were broadcast along.
 
@@ -186,8 +208,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     """
     orig = (q, k, v)
     _checks.check_flag("deterministic", deterministic)
+    _checks.check_flag("bias_grad", bias_grad)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
-    mods = _mods(softcap, alibi_slopes, sinks)
+    dropout_p, seed = _checks.check_dropout(dropout_p, seed)
+    mods = _mods(softcap, alibi_slopes, sinks, bias, dropout_p)
+    want_dbias = bias is not None and bias_grad
     plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
                                                                    packed, bool(deterministic), mods)
     cupy = _checks.require_cupy()
@@ -201,8 +226,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             tiles = (lists.get(_launch.Q_TILES), lists.get(_launch.K_TILES))
             sums = None if plan.launches.dq_sums is None else cupy.zeros(plan.shapes[0], dtype=cupy.float32)
             entries = _per_entry(cupy, mods, plan.shapes[3][:-1])
-            arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, tiles[1], dout, delta,
-                      dq if sums is None else sums, dk, dv)
+            # (the dq pass writes dS where the band reaches; 0 elsewhere)
+            dbias = cupy.zeros(plan.shapes[3] + plan.shapes[1][-2:-1], dtype=cupy.float32) if want_dbias else None
+            arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, bias, seed or 0, tiles[1], dout, delta,
+                      dq if sums is None else sums, dk, dv, dbias)
             for launch in plan.launches.runs:
                 launch.run(arrays)
             if sums is not None:
@@ -210,6 +237,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         if plan.dkdv_entries is not None and plan.dkdv_entries[1] > 1:
             dk, dv = (_sum_split(cupy, g, x) for g, x in ((dk, k), (dv, v)))
         grads = tuple(_gradient_of(cupy, g, x) for g, x in zip((dq, dk, dv), orig))
+        if want_dbias:
+            grads += (_checks.sum_to_shape(dbias, bias.shape).astype(bias.dtype) if plan.launches.runs
+                      else cupy.zeros(bias.shape, dtype=bias.dtype),)
         if sinks is None:
             return grads
         if plan.launches.runs:
@@ -239,14 +269,15 @@ def _gradient_of(cupy, g, x):
 
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-                  deterministic=True, softcap=None, alibi_slopes=None, sinks=None):
+                  deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                  seed=None, bias_grad=False):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
     runs ``attention`` and keeps only what the backward needs (q, k, v, out
     and the per-row logsumexp, O(N) extra); ``dq, dk, dv = vjp(dout)`` then
     runs ``attention_backward``. The closure may be called more than once. The
-    keywords are those of ``attention``, and ``deterministic`` that of
+    keywords are those of ``attention``, and ``deterministic`` and ``bias_grad`` those of
     ``attention_backward``.
 
     Returns
@@ -254,16 +285,18 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
     out : cupy.ndarray
         As from ``attention``.
     vjp : callable
-        ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v (and dsinks
-        after them with ``sinks``, as ``attention_backward`` returns it).
+        ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v (and dbias and
+        dsinks after them, as ``attention_backward`` returns them).
     """
     mask = {"causal": causal, "window": window, "scale": scale, "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
-            "check": check, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+            "check": check, "softcap": softcap, "bias": bias, "alibi_slopes": alibi_slopes, "sinks": sinks,
+            "dropout_p": dropout_p, "seed": seed}
+    _checks.check_flag("bias_grad", bias_grad)
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **mask)
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, bias_grad=bias_grad, **mask)
 
     return out, vjp
 

@@ -446,7 +446,7 @@ def _kernel_ready(cupy, x):
     return cupy.ascontiguousarray(x)
 
 
-def _batch_layout(batch_shape, arrays):
+def kernel_batch_layout(batch_shape, arrays):
     """Merges batch dims where every tensor allows it; strides in elements, 0 where broadcast."""
     n = math.prod(batch_shape)
     if n > 0 and all(x.shape[:-2] == batch_shape and x.flags.c_contiguous for x in arrays):
@@ -505,7 +505,7 @@ def attention_inputs(q, k, v, causal, window, scale, packed=None, **more) -> Att
     sequences = packed_inputs(cupy, q, k, **packed) if packed else None
     shapes = (q.shape, k.shape, v.shape)
     q, k, v = (_kernel_ready(cupy, pad_head_dim(cupy, x)) for x in (q, k, v))
-    kshape, kstrides = _batch_layout(batch_shape, (q, k, v))
+    kshape, kstrides = kernel_batch_layout(batch_shape, (q, k, v))
     row_strides = tuple(x.strides[-2] // x.itemsize for x in (q, k, v))
     return AttnInputs(
         q, k, v, dtype_name, batch_shape, nq, nk, q.shape[-1], v.shape[-1], dv, left, right, scale,

@@ -31,6 +31,7 @@ KERNEL_FILES = (
     # attention/: what every kernel shares
     "attention/mask.cuh",
     "attention/softmax.cuh",
+    "attention/dropout.cuh",
     "attention/score_path.cuh",
     "attention/tile_config.cuh",
     "attention/schedule.cuh",

@@ -14,7 +14,7 @@ from ._launch import (
     Launches, TileListLaunch, blocks_per_sm, cluster_slots, one_per_sm_smem, sm_count,
 )
 from ._tiles import (
-    ELEMENT_TYPES, KEY_RUNS, MODIFIED, PLAIN, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles,
+    ELEMENT_TYPES, FULL, KEY_RUNS, MODIFIED, PLAIN, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles,
     delta_name, fwd_name, fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, scale_dq_sums_name,
     sm90_bwd_names, sm90_bwd_tiles, sm90_fwd_tiles, sum_parts_name,
 )
@@ -82,7 +82,9 @@ def _tile_list(x, block: int, by_keys: bool, index: int, capacity: int) -> TileL
 
 def score_path(x) -> str:
     """The kernels' score path for the call's modifiers (_tiles.SCORE_PATHS)."""
-    return MODIFIED if x.mods is not None and x.mods.modified else PLAIN
+    if x.mods is None or not x.mods.modified:
+        return PLAIN
+    return FULL if x.mods.full else MODIFIED
 
 
 def forward_launches(x) -> Launches:
@@ -177,7 +179,7 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
         dq_cols = dkdv_cols = 1   # a block holds gradients of every column
         per_sm = sm90.dkdv_blocks_per_sm
     else:
-        tiles = bwd_tiles(x.dtype_name, head_dim, score_path(x))
+        tiles = bwd_tiles(x.dtype_name, head_dim, score_path(x), x.packed is not None)
         _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None, score_path(x))
         dq_res = dkdv_res = tiles.resident
         dq_smem = dkdv_smem = tiles.smem_bytes(itemsize)

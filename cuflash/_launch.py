@@ -15,14 +15,16 @@ from . import _gpu, _params
 
 # The arrays of a call, in the order the launches' ``fields`` index them: a record's
 # pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
-FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles", "alibi_slopes", "sinks",
-              "tile_counter")
-BWD_ARRAYS = FWD_ARRAYS[:10] + ("k_tiles", "dout", "delta", "dq", "dk", "dv")
-FWD_FIELDS = tuple(range(10))
+# Dropout's seed rides with them, an int written into its field per call like a pointer.
+FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles", "alibi_slopes", "sinks", "bias",
+              "dropout_seed", "tile_counter")
+_PER_CALL = _params.FWD_POINTERS   # the arrays before tile_counter
+BWD_ARRAYS = FWD_ARRAYS[:_PER_CALL] + ("k_tiles", "dout", "delta", "dq", "dk", "dv", "dbias")
+FWD_FIELDS = tuple(range(_PER_CALL))
 WS_FWD_FIELDS = FWD_FIELDS + (FWD_ARRAYS.index("tile_counter"),)   # WsFwdParams' pointers
-DQ_FIELDS = tuple(range(10)) + tuple(range(11, 16))
-DKDV_FIELDS = tuple(range(7)) + tuple(BWD_ARRAYS.index(n) for n in ("k_tiles", "alibi_slopes", "sinks")) + tuple(
-    range(11, 16))
+_BWD_ONLY = tuple(range(BWD_ARRAYS.index("dout"), len(BWD_ARRAYS)))
+DQ_FIELDS = FWD_FIELDS + _BWD_ONLY
+DKDV_FIELDS = tuple(range(7)) + (BWD_ARRAYS.index("k_tiles"),) + FWD_FIELDS[8:] + _BWD_ONLY
 Q_TILES, K_TILES = FWD_ARRAYS.index("q_tiles"), BWD_ARRAYS.index("k_tiles")
 CU_SEQLENS_Q, CU_SEQLENS_K = FWD_ARRAYS.index("cu_seqlens_q"), FWD_ARRAYS.index("cu_seqlens_k")
 

@@ -1,8 +1,9 @@
-"""The score modifiers of a GPU call (softcap, ALiBi slopes, sinks): checked, and laid out
-as the kernels read them (kernels/attention/score_path.cuh)."""
+"""The score modifiers of a GPU call (softcap, ALiBi slopes, sinks, bias, dropout): checked,
+and laid out as the kernels read them (kernels/attention/score_path.cuh)."""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
@@ -10,25 +11,46 @@ from . import _checks
 
 
 @dataclass(frozen=True)
+class BiasLayout:
+    """How the kernels read a bias: element strides along the kernels' batch dims (0 where it
+    is broadcast), between rows and between keys, and whether it is float32 (else the inputs'
+    dtype)."""
+
+    batch_strides: tuple
+    row_stride: int
+    col_stride: int
+    float32: bool
+
+
+@dataclass(frozen=True)
 class ScoreMods:
-    """A call's modifiers as its plan keeps them: the cap's value, and whether slopes and
-    sinks are given (their values are read per call: `per_entry`)."""
+    """A call's modifiers as its plan keeps them: the cap's value, whether slopes and sinks
+    are given (their values are read per call: `per_entry`), the bias's layout and dropout_p
+    (dropout's seed is given per call)."""
 
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    bias: BiasLayout | None = None
+    dropout_p: float = 0.0
 
     @property
     def modified(self) -> bool:
-        """Whether the call runs the kernels' modified score path (softcap or ALiBi: sinks
-        alone touch only the row sums, which every path counts)."""
-        return bool(self.softcap) or self.alibi
+        """Whether the call runs one of the kernels' modified score paths (softcap, ALiBi, bias
+        or dropout: sinks alone touch only the row sums, which every path counts)."""
+        return bool(self.softcap) or self.alibi or self.full
+
+    @property
+    def full(self) -> bool:
+        """Whether it needs the path with bias and dropout (the portable kernels')."""
+        return self.bias is not None or bool(self.dropout_p)
 
 
-def key(softcap, alibi_slopes, sinks):
-    """The modifiers' part of a plan's signature."""
+def key(softcap, alibi_slopes, sinks, bias=None, dropout_p=0.0):
+    """The modifiers' part of a plan's signature (not dropout's seed: it is given per call)."""
     cap = softcap if isinstance(softcap, numbers.Real) else None   # (anything else: refused by check)
-    return (type(softcap), cap, _array_key(alibi_slopes), _array_key(sinks))
+    p = dropout_p if isinstance(dropout_p, numbers.Real) else None
+    return (type(softcap), cap, _array_key(alibi_slopes), _array_key(sinks), _array_key(bias), type(dropout_p), p)
 
 
 def _array_key(a):
@@ -41,20 +63,48 @@ def _array_key(a):
 
 
 def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int, scale: float) -> ScoreMods:
-    """Checks the modifiers against the call's broadcast batch dims and scale; raises naming
-    the argument. The kernels keep ALiBi's term in raw score units (1 / scale of the scaled
-    ones), so they take slopes with a scale other than 0 (cuflash.reference takes 0)."""
+    """Checks softcap, slopes and sinks against the call's broadcast batch dims (those of
+    attention_kvcache too) and scale; raises naming the argument. The kernels keep additive
+    terms in raw score units (1 / scale of the scaled ones), so they take slopes with a scale
+    other than 0 (cuflash.reference takes 0)."""
     cap = _checks.check_softcap(softcap)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
             _checks.check_cupy(cupy, **{name: x})
             _checks.check_per_entry(name, x, batch_shape)
-            if x.device.id != device:
-                raise ValueError(f"{name} is on device {x.device.id}, but q is on device {device}")
+            _same_device(name, x, device)
     if alibi_slopes is not None and scale == 0:
         raise NotImplementedError("cuflash's kernels take alibi_slopes with a scale other than 0, got scale=0 "
                                   "(cuflash.reference takes it)")
     return ScoreMods(cap, alibi_slopes is not None, sinks is not None)
+
+
+def check_all(cupy, x, softcap, alibi_slopes, sinks, bias, dropout_p) -> ScoreMods:
+    """`check`, and the bias and dropout_p of attention's inputs ``x`` (_checks.AttnInputs):
+    the bias without its layout (`bias_layout`), which like ALiBi needs a scale other than 0."""
+    mods = check(cupy, softcap, alibi_slopes, sinks, x.batch_shape, x.q.device.id, x.scale)
+    if bias is not None:
+        _checks.check_cupy(cupy, bias=bias)
+        _same_device("bias", bias, x.q.device.id)
+    checked = _checks.check_modifiers(x.batch_shape, x.nq, x.nk, x.dtype_name, bias=bias, dropout_p=dropout_p,
+                                      seed=0, packed=x.packed is not None)
+    if x.scale == 0 and bias is not None:
+        raise NotImplementedError("cuflash's kernels take a bias with a scale other than 0, got scale=0 "
+                                  "(cuflash.reference takes it)")
+    return dataclasses.replace(mods, dropout_p=checked.dropout_p)
+
+
+def bias_layout(bias, batch_strides) -> BiasLayout:
+    """The layout of a checked bias, whose strides along the kernels' batch dims are
+    ``batch_strides`` (_checks.kernel_batch_layout with the bias beside q, k and v)."""
+    rows, keys = ((bias.strides[i] // bias.itemsize if bias.ndim >= -i and bias.shape[i] != 1 else 0)
+                  for i in (-2, -1))
+    return BiasLayout(tuple(batch_strides), rows, keys, bias.dtype == "float32")
+
+
+def _same_device(name, x, device: int) -> None:
+    if x.device.id != device:
+        raise ValueError(f"{name} is on device {x.device.id}, but q is on device {device}")
 
 
 def per_entry(cupy, x, batch_shape):

@@ -21,12 +21,14 @@ PARAMS_DTYPE = np.dtype(
     [
         ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("out", np.uint64), ("lse", np.uint64),
         ("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("tiles", np.uint64),
-        ("alibi_slopes", np.uint64), ("sinks", np.uint64),
+        ("alibi_slopes", np.uint64), ("sinks", np.uint64), ("bias", np.uint64), ("dropout_seed", np.uint64),
         ("q_row_stride", np.int64), ("k_row_stride", np.int64), ("v_row_stride", np.int64),
         ("nq", np.int64), ("nk", np.int64), ("d", np.int64), ("dv", np.int64),
         ("window_left", np.int64), ("window_right", np.int64),
         ("scale_log2", np.float32), ("scale_log2_lo", np.float32),
         ("cap", np.float32), ("cap_inv", np.float32), ("unscale", np.float32), ("slope_unit", np.float32),
+        ("dropout_threshold", np.uint32), ("dropout_scale", np.float32),
+        ("bias_row_stride", np.int64), ("bias_col_stride", np.int64), ("bias_float32", np.int64),
         ("num_m_blocks", np.int64),
         ("num_tiles", np.int64),
         ("batch_size", np.int64),
@@ -37,6 +39,7 @@ PARAMS_DTYPE = np.dtype(
         ("q_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
         ("k_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
         ("v_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
+        ("bias_batch_stride", np.int64, (MAX_BATCH_DIMS,)),
         ("batch_div", np.int64, (MAX_BATCH_DIMS,)),
         ("entries_div", np.int64), ("group_div", np.int64), ("grid_div", np.int64),
     ]
@@ -62,7 +65,7 @@ BWD_PARAMS_DTYPE = np.dtype(
     PARAMS_DTYPE.descr
     + [
         ("dout", np.uint64), ("delta", np.uint64), ("dq", np.uint64), ("dk", np.uint64), ("dv_grad", np.uint64),
-        ("num_n_blocks", np.int64),
+        ("dbias", np.uint64), ("num_n_blocks", np.int64),
     ]
 )
 
@@ -112,6 +115,20 @@ def score_units(mods, scale: float) -> tuple[float, float, float, float]:
     softcap = mods.softcap if mods is not None else 0.0
     cap = (softcap / scale, scale / softcap) if softcap and scale else (0.0, 0.0)
     return cap + ((1 / (scale * math.log2(math.e)), 1 / scale) if scale else (0.0, 0.0))
+
+
+def bias_and_dropout(mods, batch_dims: int) -> tuple:
+    """AttnParams' dropout_threshold, dropout_scale, bias_row_stride, bias_col_stride,
+    bias_float32 and bias_batch_stride (kernels/attention/score_path.cuh) for the call's
+    modifiers ``mods`` (_mods.ScoreMods, or None), over ``batch_dims`` kernel batch dims."""
+    p = mods.dropout_p if mods is not None else 0.0
+    dropout = (math.floor(p * 65536), 1 / (1 - p)) if p else (0, 1.0)
+    bias = mods.bias if mods is not None else None
+    if bias is None:
+        return dropout + (0, 0, 0, (0,) * MAX_BATCH_DIMS)
+    assert len(bias.batch_strides) == batch_dims, "the bias's strides are those of the kernels' batch dims"
+    return dropout + (bias.row_stride, bias.col_stride, int(bias.float32),
+                      tuple(bias.batch_strides) + (0,) * (MAX_BATCH_DIMS - batch_dims))
 
 
 def fast_divisor(d: int) -> int:
@@ -189,17 +206,20 @@ def ws_params(inputs, block_m: int, layout: BatchLayout | None = None) -> np.nda
 
 def bwd_params(inputs, resident: int, layout: BatchLayout | None = None) -> np.ndarray:
     """One ``BwdParams`` record, pointers left 0; query and key blocks of ``resident`` rows."""
-    values = _attn_values(inputs, resident, layout or batch_layout(inputs)) + (0, 0, 0, 0, 0, -(-inputs.nk // resident))
+    values = _attn_values(inputs, resident, layout or batch_layout(inputs))
+    values += (0,) * BWD_POINTERS + (-(-inputs.nk // resident),)
     return np.array([values], dtype=BWD_PARAMS_DTYPE)
 
 
-# The pointer fields, as 8-byte words of each record: q, k, v, out, lse, cu_seqlens_q,
-# cu_seqlens_k, tiles, alibi_slopes, sinks first in both attention records, then the backward's dout, delta,
-# dq, dk, dv_grad right after AttnParams; a DecodeParams record starts with its pointers.
-FWD_POINTERS = 10
+# The fields written per call, as 8-byte words of each record: q, k, v, out, lse, cu_seqlens_q,
+# cu_seqlens_k, tiles, alibi_slopes, sinks, bias and dropout's seed first in both attention
+# records, then the backward's dout, delta, dq, dk, dv_grad, dbias right after AttnParams; a
+# DecodeParams record starts with its pointers.
+FWD_POINTERS = 12
+BWD_POINTERS = 6
 _POINTER_WORDS = {   # runs of consecutive words (slices assign faster than index arrays)
     PARAMS_DTYPE: (slice(0, FWD_POINTERS),),
-    BWD_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + 5)),
+    BWD_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(PARAMS_DTYPE.itemsize // 8, PARAMS_DTYPE.itemsize // 8 + BWD_POINTERS)),
     DECODE_PARAMS_DTYPE: (slice(0, len(DECODE_POINTERS)),),
     WS_PARAMS_DTYPE: (slice(0, FWD_POINTERS), slice(WS_COUNTER_OFFSET // 8, WS_COUNTER_OFFSET // 8 + 1)),
 }
@@ -250,6 +270,7 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
     pad = (0,) * (MAX_BATCH_DIMS - n)
     q_strides, k_strides, v_strides = (tuple(st) + pad for st in layout.strides)
     group, m_blocks = grid_group(x, layout.entries), -(-x.nq // block_m)
+    *extras, bias_strides = bias_and_dropout(x.mods, n)
     return (
         *(0,) * FWD_POINTERS,
         *x.row_strides,
@@ -257,9 +278,10 @@ def _attn_values(x, block_m: int, layout: BatchLayout) -> tuple:
         left, right,
         *scale_log2_parts(x.scale),
         *score_units(x.mods, x.scale),
+        *extras,
         m_blocks, 0, layout.entries, group,
         layout.group_size, layout.group_inner, layout.q_group_stride,
-        n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides,
+        n, tuple(layout.shape) + pad, q_strides, k_strides, v_strides, bias_strides,
         tuple(fast_divisor(d) for d in layout.shape) + pad,
         fast_divisor(layout.entries), fast_divisor(group), fast_divisor(group * m_blocks),
     )

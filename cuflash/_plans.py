@@ -104,19 +104,26 @@ def _same_offsets(x, packed) -> bool:
 
 
 def _modified(x, mods):
-    """x with the call's score modifiers (``mods``: softcap, alibi_slopes, sinks, or None);
-    a pass with ALiBi slopes does not group its query heads (each has its slope)."""
+    """x with the call's score modifiers (``mods``: softcap, alibi_slopes, sinks, bias,
+    dropout_p, or None); a pass with ALiBi slopes, a bias or dropout does not group its query
+    heads (each has its own slope, bias and dropout mask). A bias joins the merging of batch
+    dims, so that one set of kernel batch dims indexes q, k, v and it."""
     if mods is None:
         return x
     cupy = _checks.require_cupy()
-    checked = _mods.check(cupy, *mods, x.batch_shape, x.q.device.id, x.scale)
-    return dataclasses.replace(x, mods=checked, group=None if checked.alibi else x.group)
+    checked = _mods.check_all(cupy, x, *mods)
+    bias = mods[3]
+    if bias is not None:
+        shape, strides = _checks.kernel_batch_layout(x.batch_shape, (x.q, x.k, x.v, bias))
+        x = dataclasses.replace(x, kernel_batch_shape=shape, kernel_batch_strides=strides[:3])
+        checked = dataclasses.replace(checked, bias=_mods.bias_layout(bias, strides[3]))
+    return dataclasses.replace(x, mods=checked, group=None if checked.alibi or checked.full else x.group)
 
 
 def forward(q, k, v, causal, window, scale, packed=None, mods=None):
     """(plan, (q, k, v, cu_seqlens_q, cu_seqlens_k) as the kernels read them) of a forward
     call; raises as the checks do. ``packed``: the packed-sequence keywords, or None;
-    ``mods``: (softcap, alibi_slopes, sinks), or None."""
+    ``mods``: (softcap, alibi_slopes, sinks, bias, dropout_p), or None."""
     key = _signature("fwd", (q, k, v), causal, window, scale, packed, mods and _mods.key(*mods))
     plan = _plans.get(key)
     if plan is not None:

@@ -39,9 +39,11 @@ class FwdTiles:
 
 
 # The score paths (kernels/attention/score_path.cuh), every attention kernel's last template
-# argument: plain scores, or scores through the modifiers (softcap, ALiBi; sinks on both).
-PLAIN, MODIFIED = "plain", "modified"
-SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores"}
+# argument: plain scores, scores through softcap and ALiBi (sinks on every path), or through a
+# bias and dropout besides (FULL: the portable prefill kernels only, on every GPU).
+PLAIN, MODIFIED, FULL = "plain", "modified", "full"
+SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores", FULL: "cuflash::FullScores"}
+DECODE_SCORE_PATHS = (PLAIN, MODIFIED)
 
 
 def head_dim_bucket(d: int, dv: int) -> int:
@@ -66,9 +68,13 @@ def fwd_tiles(dtype_name: str, head_dim: int, packed: bool = False, scores: str 
         return FwdTiles(head_dim, dv_block, block_m=64, block_n=block_n, warps=4)
     # two 16-row tiles per warp halve the shared-memory reads of K and V per product; the
     # packed-sequence and modified-score kernels hold a few more registers and take two only
-    # up to head dim 64 (at 128 the modified one spilled 28 bytes)
-    block_m = 128 if head_dim <= (64 if packed or scores == MODIFIED else 128) else 64
-    block_n = 64 if head_dim <= 128 and not (head_dim == 96 and scores == MODIFIED) else 32   # (96: spilled 24 bytes)
+    # up to head dim 64 (at 128 the modified one spilled 28 bytes), the FULL ones up to 32
+    # (64 spilled 4-28 bytes), and at 256 16 keys a block (32 spilled 8-48 bytes)
+    modified = scores != PLAIN
+    block_m = 128 if head_dim <= (32 if scores == FULL else 64 if packed or modified else 128) else 64
+    block_n = 64 if head_dim <= 128 and not (head_dim == 96 and modified) else 32   # (96: spilled 24 bytes)
+    if head_dim == 256 and scores == FULL:
+        block_n = 16
     return FwdTiles(head_dim, head_dim, block_m=block_m, block_n=block_n, warps=4)
 
 
@@ -110,11 +116,12 @@ class Sm90FwdTiles:
 
 def sm90_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None, scores: str = PLAIN) -> Sm90FwdTiles | None:
     """The Hopper forward tiles for (dtype, head-dim bucket), or None where the
-    portable kernel runs instead (float32, head dims that are not whole 64-column panels).
+    portable kernel runs instead (float32, head dims that are not whole 64-column panels, the
+    FULL score path).
 
     ``keys``: the keys per tile (of each sequence; mean over packed sequences), None when
     not known; short ones change the tiles, by measurement (docs/design.md, "Hopper forward")."""
-    if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
+    if dtype_name == "float32" or head_dim % 64 or head_dim == 192 or scores == FULL:
         return None
     if head_dim == 64 and keys is not None and keys <= 128:
         # one warpgroup per block, four blocks per SM (docs/design.md, "Hopper forward")
@@ -197,7 +204,7 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     (``scores``) hold a few more registers: 64-key blocks at head dim 256, two computing
     warpgroups at 64 (80 keys and three warpgroups spilled 4-16 bytes) and 128-key blocks at
     128 (176 keys spilled 24-32 bytes)."""
-    if dtype_name == "float32":
+    if dtype_name == "float32" or scores == FULL:
         return None
     modified = scores == MODIFIED
     if head_dim == 256:
@@ -265,7 +272,7 @@ class BwdTiles:
         return tiles * self.head_dim * itemsize + 4 * self.step * 4
 
 
-def bwd_tiles(dtype_name: str, head_dim: int, scores: str = PLAIN) -> BwdTiles:
+def bwd_tiles(dtype_name: str, head_dim: int, scores: str = PLAIN, packed: bool = False) -> BwdTiles:
     """Tile shape of the backward kernels for one (dtype, head-dim bucket).
 
     A warp keeps 16 rows x dcol accumulators of dk and dv (or of dq) plus two
@@ -274,9 +281,12 @@ def bwd_tiles(dtype_name: str, head_dim: int, scores: str = PLAIN) -> BwdTiles:
     """
     if dtype_name == "float32":
         # (the modified dk/dv pass at head dim 32 spilled 8 bytes with 32 columns)
-        return BwdTiles(head_dim, 16 if head_dim == 32 and scores == MODIFIED else 32, 16, warps=4)
+        return BwdTiles(head_dim, 16 if head_dim == 32 and scores != PLAIN else 32, 16, warps=4)
     dcol = {192: 96, 256: 128}.get(head_dim, head_dim)
     step = {32: 64, 64: 64, 256: 16}.get(head_dim, 32)
+    if scores == FULL:   # (bias and dropout beside: these spilled 4-24 bytes wider, packed or at 64)
+        dcol = {96: 48, 256: 64}.get(head_dim, dcol) if packed else dcol
+        step = 32 if head_dim == 64 else step
     return BwdTiles(head_dim, dcol, step, warps=4)
 
 
@@ -398,7 +408,7 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
     over 32 keys a step with packed sequences (the others spilled 4-24 bytes beside softcap's
     gradient)."""
     modified = scores == MODIFIED
-    if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
+    if dtype_name == "float32" or head_dim % 64 or head_dim == 192 or scores == FULL:
         return None
     if head_dim == 256:
         return Sm90BwdTiles(256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
@@ -444,8 +454,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
     """Every kernel name expression the library can launch on a target such as ``"sm_90a"``."""
     names = []
     for dt, hd, packed, scores in itertools.product(ELEMENT_TYPES, HEAD_DIM_BUCKETS, (False, True), SCORE_PATHS):
-        sm90 = sm90_fwd_tiles(dt, hd) if arch == "sm_90a" else None
-        if sm90 is not None:   # then the portable kernels never run there
+        sm90 = sm90_fwd_tiles(dt, hd, scores=scores) if arch == "sm_90a" else None
+        if sm90 is not None:   # then the portable kernels never run there on this path
             for keys, mask in itertools.product(HOPPER_FWD_KEYS, MASKS):
                 tiles = hopper_fwd_tiles(dt, hd, keys, mask, scores)
                 variants = [tiles]
@@ -467,7 +477,7 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 names.extend(n for n in bwd if n not in names)
         else:
             names.append(fwd_name(dt, fwd_tiles(dt, hd, packed, scores), packed, scores))
-            names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd, scores), packed, scores) if n not in names)
+            names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd, scores, packed), packed, scores) if n not in names)
     return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
             + decode_specializations(arch))
 
@@ -640,7 +650,7 @@ def decode_specializations(arch: str = "sm_80") -> list[str]:
             shapes = {decode_tiles(hd, rows, itemsize, page) for rows in (1, 32) for page in (None, 64, 16, 8)}
             for tiles in sorted(shapes, key=lambda t: (t.block_rows, t.block_n, t.layout)):
                 if tiles.smem_bytes(hd, itemsize) <= 227 * 1024:
-                    for scores in SCORE_PATHS:
+                    for scores in DECODE_SCORE_PATHS:
                         names.append(tiles.name(dt, hd, scores=scores))
                         if arch == "sm_90a":
                             names.append(tiles.name(dt, hd, two_level=True, scores=scores))

@@ -37,7 +37,7 @@ def test_specializations_cover_every_dtype_and_bucket():
                     for page_size in (None, 1, 16, 64, 128, 256, 100):
                         tiles = _tiles.decode_tiles(hd, rows, item, page_size)
                         assert tiles.smem_bytes(hd, item) <= 227 * 1024
-                        assert all(tiles.name(dt, hd, scores=scores) in decode for scores in _tiles.SCORE_PATHS)
+                        assert all(tiles.name(dt, hd, scores=scores) in decode for scores in _tiles.DECODE_SCORE_PATHS)
     for dt in _tiles.ELEMENT_TYPES:
         for hd in _tiles.HEAD_DIM_BUCKETS:
             item = _tiles.ELEMENT_TYPES[dt][1]
@@ -166,7 +166,7 @@ def broadcast_views(draw):
 @given(broadcast_views())
 def test_merged_batch_layout_addresses_the_same_elements(case):
     batch, arrays = case
-    shape, strides = _checks._batch_layout(batch, arrays)
+    shape, strides = _checks.kernel_batch_layout(batch, arrays)
     assert len(shape) <= _params.MAX_BATCH_DIMS
     assert int(np.prod(shape, dtype=np.int64)) == int(np.prod(batch, dtype=np.int64))
     for x, st_ in zip(arrays, strides):
@@ -235,25 +235,27 @@ def test_call_signature_separates_what_the_checks_depend_on():
 def test_pointers_land_in_their_fields():
     record = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
     record[0]["nq"], record[0]["num_n_blocks"] = 77, 5
-    names = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "tiles", "alibi_slopes", "sinks", "dout",
-             "delta", "dq", "dk", "dv_grad")
+    names = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "tiles", "alibi_slopes", "sinks", "bias",
+             "dropout_seed", "dout", "delta", "dq", "dk", "dv_grad", "dbias")
     arrays = [_FakeArray((1,), (2,), 4096 * (i + 1)) for i in range(len(names))]
     arrays[6] = None   # a null pointer
     kept = _params.Record(record)
-    kept.fill([0 if a is None else a.data.ptr for a in arrays])
-    filled = kept.view()
     want = [0 if a is None else a.data.ptr for a in arrays]
+    want[11] = 2**64 - 1   # a seed: any 64-bit int
+    kept.fill(want)
+    filled = kept.view()
     assert [int(filled[n]) for n in names] == want
     assert filled["nq"] == 77 and filled["num_n_blocks"] == 5 and record[0]["q"] == 0
     fwd = _params.Record(np.zeros(1, dtype=_params.PARAMS_DTYPE))
-    fwd.fill(want[:10])
-    assert [int(fwd.view()[n]) for n in names[:10]] == want[:10]
+    fwd.fill(want[:_params.FWD_POINTERS])
+    assert [int(fwd.view()[n]) for n in names[:_params.FWD_POINTERS]] == want[:_params.FWD_POINTERS]
+    assert len(names) == _params.FWD_POINTERS + _params.BWD_POINTERS
 
 
 def _group_of(q_shape, k_shape, v_shape=None):
     arrays = [np.empty(s, dtype=np.float16) for s in (q_shape, k_shape, v_shape or k_shape)]
     batch = _checks.check_shapes(*(a.shape for a in arrays))
-    kshape, kstrides = _checks._batch_layout(batch, arrays)
+    kshape, kstrides = _checks.kernel_batch_layout(batch, arrays)
     return _checks.query_group(batch, [a.shape for a in arrays], kshape, kstrides), kshape
 
 
@@ -282,7 +284,7 @@ def test_dkdv_layout_splits_groups_only_when_blocks_are_few():
     q = np.empty((1, 2, 8, 256, 64), dtype=np.float16)
     k = np.empty((1, 2, 1, 256, 64), dtype=np.float16)
     batch = (1, 2, 8)
-    kshape, kstrides = _checks._batch_layout(batch, (q, k, k))
+    kshape, kstrides = _checks.kernel_batch_layout(batch, (q, k, k))
     group = _checks.query_group(batch, (q.shape, k.shape, k.shape), kshape, kstrides)
 
     class X:   # what dkdv_layout reads of AttnInputs

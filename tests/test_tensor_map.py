@@ -163,7 +163,7 @@ def layout_of(q, k, v, packed=None):
     from cuflash import _checks
 
     batch_shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    shape, strides = _checks._batch_layout(batch_shape, (q, k, v))
+    shape, strides = _checks.kernel_batch_layout(batch_shape, (q, k, v))
     return SimpleNamespace(
         packed=packed, dtype_name=q.dtype.name, kernel_batch_shape=shape, kernel_batch_strides=strides,
         row_strides=tuple(x.strides[-2] // x.itemsize for x in (q, k, v)), d=q.shape[-1], dv=v.shape[-1],

@@ -42,13 +42,15 @@ def randn(shape, dtype):
 
 
 def run_case(label, q, k, v, deterministic=True, **mask):
-    """Forward and backward; True when out, dq, dk and dv are all finite."""
+    """Forward and backward; True when out, dq, dk, dv (and dbias, dsinks where asked) are all finite."""
     out, vjp = cuflash.attention_vjp(q, k, v, deterministic=deterministic, **mask)
     grads = vjp(randn(out.shape, q.dtype))
     cupy.cuda.Device().synchronize()
+    names = ("out", "dq", "dk", "dv") + ("dbias",) * bool(mask.get("bias_grad")) + ("dsinks",) * ("sinks" in mask)
+    assert len(names) == 1 + len(grads), f"{label}: {len(grads)} gradients, not {len(names) - 1}"
     bad = [
         name
-        for name, x in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads))
+        for name, x in zip(names, (out,) + tuple(grads))
         if not bool(cupy.isfinite(x.astype(np.float32)).all())
     ]
     print(f"{label:58s} {'finite' if not bad else 'NOT FINITE: ' + ', '.join(bad)}", flush=True)
@@ -178,8 +180,9 @@ def kvcache_cases():
 def modifier_cases():
     """softcap, ALiBi and sinks together on each dtype, head dim and mask; one at a time on
     grouped queries (values per query head), rows that see no key, padded and strided head
-    dims and packed sequences; the Hopper kernels' longer tiles with all three; and the
-    KV cache with all three."""
+    dims and packed sequences; a bias broadcast over the batch with its gradient, dropout,
+    and dropout on packed sequences, on each dtype; the Hopper kernels' longer tiles with all
+    three; and the KV cache with all three."""
     ok = True
 
     def slopes_and_sinks(shape):
@@ -213,6 +216,17 @@ def modifier_cases():
             k, v = randn((2, 1, sum(lengths_k), d), dtype), randn((2, 1, sum(lengths_k), d), dtype)
             ok &= run_case(f"{dtype} D={d} packed GQA 2x4 causal softcap+alibi+sinks", q, k, v, causal=True,
                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, softcap=30.0, **slopes_and_sinks((4,)))
+        # dropout on packed sequences (positions in the packed arrays), with ALiBi and sinks, on the
+        # D = 128 arrays of the last pass
+        ok &= run_case(f"{dtype} D=128 packed GQA 2x4 causal dropout 0.3+alibi+sinks", q, k, v, causal=True,
+                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, dropout_p=0.3, seed=2**64 - 1, **slopes_and_sinks((4,)))
+        # a bias of the inputs' dtype broadcast over B, (H, Nq, Nk), with its gradient (summed over B)
+        # under a window; dropout under a causal mask with a seed over 64 bits
+        q, k, v = randn((2, 3, 67, 64), dtype), randn((2, 3, 93, 64), dtype), randn((2, 3, 93, 64), dtype)
+        ok &= run_case(f"{dtype} D=64 Nq=67 Nk=93 window (17, 5) bias (3, Nq, Nk) with dbias", q, k, v,
+                       window=(17, 5), bias=randn((3, 67, 93), dtype), bias_grad=True)
+        ok &= run_case(f"{dtype} D=64 Nq=67 Nk=93 causal dropout 0.2", q, k, v, causal=True, dropout_p=0.2,
+                       seed=0x9E3779B97F4A7C15)
     # the Hopper kernels' longer tiles: the forward on a loading warpgroup at D = 64 past 128
     # keys and 176-key blocks at D = 128 from 8192 keys, D = 256 through maps; the dk/dv pass
     # on a loading warpgroup at D = 64 from 2048 queries

@@ -217,14 +217,28 @@ __device__ __forceinline__ void mma_rows_rows(Acc (&acc)[M_TILES][N_TILES][4], u
 
 // acc[mt][nt] += P[mt] . B[0 .. 8 K_TILES, col0 + 8 nt + (0..8))
 // with P in registers (C fragments of K_TILES 8-wide tiles) and B stored row-major (V for P V).
-template <class T, class BTile, class P, int M_TILES, int K_TILES, int N_TILES>
+// Op: each element of P as the product takes it, op(mt, kt, e, x) (SameScores: as it is;
+// score_path.cuh's dropout: kept or 0).
+struct SameScores {
+    template <class P>
+    __device__ __forceinline__ P operator()(int, int, int, P x) const { return x; }
+};
+template <class T, class BTile, class P, int M_TILES, int K_TILES, int N_TILES, class Op = SameScores>
 __device__ __forceinline__ void mma_regs_cols(float (&acc)[M_TILES][N_TILES][4], const P (&p)[M_TILES][K_TILES][4],
-                                              u32 s_b, int col0) {
+                                              u32 s_b, int col0, Op op = {}) {
 #pragma unroll
     for (int j = 0; j < K_TILES / 2; ++j) {
         FragA<T> a[M_TILES];
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) scores_to_a(a[mt], p[mt][2 * j], p[mt][2 * j + 1]);
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            P lo[4], hi[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                lo[e] = op(mt, 2 * j, e, p[mt][2 * j][e]);
+                hi[e] = op(mt, 2 * j + 1, e, p[mt][2 * j + 1][e]);
+            }
+            scores_to_a(a[mt], lo, hi);
+        }
 #pragma unroll
         for (int n = 0; n < N_TILES / 2; ++n) {
             FragB<T> b[2];

@@ -50,6 +50,10 @@ struct AttnParams {
     // of each entry of the broadcast batch, float32, contiguous.
     const float* alibi_slopes;
     const float* sinks;
+    // an additive bias (bias_batch_stride, bias_row_stride, bias_col_stride; float32 or the
+    // inputs' type: bias_float32), and dropout's seed (dropout.cuh), both written per call
+    const void* bias;
+    unsigned long long dropout_seed;
     index_t q_row_stride, k_row_stride, v_row_stride;   // in elements
     index_t nq, nk, d, dv;    // rows of q and k (of all sequences when packed)
     // Row i attends key j iff i + off - window_left <= j <= i + off + window_right,
@@ -64,6 +68,10 @@ struct AttnParams {
     // brings ALiBi's slopes to raw scores' units (score_path.cuh)
     float cap, cap_inv;
     float unscale, slope_unit;
+    // dropout_p as floor(p * 65536), 0: no dropout; 1 / (1 - p)
+    u32 dropout_threshold;
+    float dropout_scale;
+    index_t bias_row_stride, bias_col_stride, bias_float32;
     index_t num_m_blocks;     // query blocks per batch entry
     index_t num_tiles;        // the forward's tiles: blocks of a smaller grid run several in turn
     index_t batch_size;       // entries of the broadcast batch
@@ -77,6 +85,7 @@ struct AttnParams {
     index_t q_batch_stride[MAX_BATCH_DIMS];   // 0 where q is broadcast
     index_t k_batch_stride[MAX_BATCH_DIMS];
     index_t v_batch_stride[MAX_BATCH_DIMS];
+    index_t bias_batch_stride[MAX_BATCH_DIMS];
     // fast_div's constants, for the kernels that divide with FAST_DIV: each batch dim's,
     // batch_size's, grid_group's and grid_group * num_m_blocks' (the forward's grid order)
     index_t batch_div[MAX_BATCH_DIMS];
@@ -164,6 +173,21 @@ struct AttnParams {
         return (e / inner) * (inner * u32(group_size)) + e % inner + u32(member) * inner;
     }
 
+    // The element offset of the bias of flat batch index b.
+    __device__ __forceinline__ index_t bias_offset(u32 b) const {
+        index_t off = 0;
+#pragma unroll
+        for (int j = 0; j < MAX_BATCH_DIMS; ++j) {
+            const int i = MAX_BATCH_DIMS - 1 - j;   // innermost dim first
+            if (i < batch_ndim) {
+                const u32 n = u32(batch_shape[i]);
+                off += (b % n) * bias_batch_stride[i];
+                b /= n;
+            }
+        }
+        return off;
+    }
+
     // Element offsets of q, k, v for flat batch index b. The batch count fits
     // in 32 bits (it is at most the grid size), so 32-bit division suffices.
     // FAST_DIV: by fast_div.
@@ -202,6 +226,7 @@ struct BwdParams : AttnParams {
     void* dq;
     void* dk;
     void* dv_grad;
+    float* dbias;             // (batch, nq, nk), float32: dS where the call asks for the bias's gradient
     index_t num_n_blocks;     // key blocks per batch entry
 };
 

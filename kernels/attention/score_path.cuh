@@ -6,11 +6,15 @@
 // applies to them as to plain scores (its negative-scale and large-logit forms unchanged):
 //   softcap c:  s' = (c / scale) tanh(s scale / c)     (AttnParams: cap = c / scale, cap_inv = scale / c)
 //   ALiBi a:    s' = s' - (a / scale) |i + off - j|    (AttnParams: slope_unit = 1 / scale)
+//   bias b:     s' = s' + b[i, j] / scale               (FullScores)
 // A sink z enters only the forward's row sums (finish), on every score path, so lse counts it
 // and the backward's p = exp2(s' scale_log2 - lse2) holds as it is; dsinks is a row sum the
 // host takes. A call with sinks alone thus runs the plain kernels.
-// The backward's ds is taken with respect to the raw score: softcap's factor 1 - tanh^2
-// comes from p itself (scale s' = ln p + lse), so no second copy of the scores is kept.
+// Dropout (FullScores) zeroes the forward's p after the row sums took it, and scales out by
+// 1 / (1 - dropout_p) at the end; the backward makes the same mask again (dropout.cuh) for the
+// dv product's p and for dp. The backward's ds is taken with respect to the raw score:
+// softcap's factor 1 - tanh^2 comes from p itself (scale s' = ln p + lse, less the bias), so no
+// second copy of the scores is kept; dbias, dS before softcap's factor, is written by the dq pass.
 #pragma once
 
 namespace cuflash {
@@ -21,10 +25,35 @@ constexpr float LOG2E = 1.4426950408889634f;
 // kernels without modifiers.
 struct PlainScores {
     static constexpr bool MODIFIED = false;
+    static constexpr bool FULL = false;
 };
 // softcap and ALiBi, each off at run time (cap 0, no slopes)
 struct ModifiedScores {
     static constexpr bool MODIFIED = true;
+    static constexpr bool FULL = false;
+};
+// softcap, ALiBi, a bias and dropout, each off at run time (the portable prefill kernels')
+struct FullScores {
+    static constexpr bool MODIFIED = true;
+    static constexpr bool FULL = true;
+};
+
+// A warp's dropout mask over TILES 16 x 16 tiles of its 16 rows: 8 bits per thread and tile,
+// bit 4h + 2jb + b for rows g + 8h, columns 8jb + 2t + b (dropout.cuh). NoDrop: no mask (the
+// paths without dropout).
+template <int TILES>
+struct KeepMask {
+    u32 bits[TILES];
+    float scale;   // kept probabilities' factor, 1 / (1 - dropout_p)
+    __device__ __forceinline__ bool kept(int nt, int e) const {
+        return (bits[nt / 2] >> (4 * (e >> 1) + 2 * (nt & 1) + (e & 1))) & 1u;
+    }
+    // p as the dv product takes it: kept ones scaled, dropped ones 0
+    __device__ __forceinline__ float operator()(int, int kt, int e, float x) const { return kept(kt, e) ? x * scale : 0.f; }
+};
+struct NoDrop {
+    __device__ __forceinline__ bool kept(int, int) const { return true; }
+    __device__ __forceinline__ float operator()(int, int, int, float x) const { return x; }
 };
 
 // lse in the log2 domain for p = exp2(scaled score - lse2); a row that sees no
@@ -71,15 +100,33 @@ __device__ __forceinline__ float log2_of(float x) {
 template <class T, class Scores, class Params = AttnParams>
 struct ScorePath {
     static constexpr bool MODIFIED = Scores::MODIFIED;
+    static constexpr bool FULL = Scores::FULL;
     const Params& p;
     float slope = 0.f;   // ALiBi's slope in raw units (AttnParams: slope_unit); 0: none
     int off = 0;
+    // FULL: the entry (dropout's n) and its bias's offset; the sequence's first row and key
+    // in the arrays (dropout's positions) and its rows and keys (the bias's bounds)
+    u32 entry = 0;
+    index_t bias_base = 0;
+    int q0 = 0, k0 = 0, nq = 0, nk = 0;
 
     // The path of query batch entry `entry` (the flat index of the broadcast batch).
     __device__ __forceinline__ ScorePath(const Params& p, const Band& band, u32 entry) : p(p) {
         if constexpr (MODIFIED) {
             slope = slope_of(entry);
             off = band.off;
+        }
+    }
+    // The same, for the sequence of work w (FULL: a bias and dropout read where it lies).
+    __device__ __forceinline__ ScorePath(const Params& p, const Band& band, u32 entry, const Work& w)
+        : ScorePath(p, band, entry) {
+        if constexpr (FULL) {
+            this->entry = entry;
+            bias_base = p.bias ? p.bias_offset(entry) : 0;
+            q0 = w.q0;
+            k0 = w.k0;
+            nq = w.nq;
+            nk = w.nk;
         }
     }
     // The path of rows of several entries (the decoding kernel's), each its own: modify_rows,
@@ -101,7 +148,21 @@ struct ScorePath {
         } else {
             softmax.template finish<APPROX>(acc, lse, scale_log2);
         }
+        if constexpr (FULL) {
+            if (p.dropout_threshold) scale_by(acc, p.dropout_scale);
+        }
     }
+
+    // Whether the call has a bias (FULL); then every block takes the masked softmax, since a
+    // bias may hold -inf anywhere.
+    __device__ __forceinline__ bool biased() const {
+        if constexpr (FULL) {
+            return p.bias != nullptr;
+        } else {
+            return false;
+        }
+    }
+    __device__ __forceinline__ bool masks_anywhere() const { return biased(); }
 
     __device__ __forceinline__ bool capped() const { return MODIFIED && p.cap != 0.f; }
 
@@ -116,6 +177,93 @@ struct ScorePath {
                 modify_all<KEYS_IN_ROWS, true>(s, row0, col0);
             } else {
                 modify_all<KEYS_IN_ROWS, false>(s, row0, col0);
+            }
+        }
+        if (biased()) add_bias<KEYS_IN_ROWS>(s, row0, col0);
+    }
+
+    // The bias of row i and key j of the sequence, in raw units; 0 past its rows and keys.
+    __device__ __forceinline__ float bias_at(int i, int j) const {
+        if (i >= nq || j >= nk) return 0.f;
+        const index_t at = bias_base + index_t(i) * p.bias_row_stride + index_t(j) * p.bias_col_stride;
+        const float b = p.bias_float32 ? static_cast<const float*>(p.bias)[at]
+                                       : Load<T>::one(static_cast<const typename T::storage*>(p.bias) + at);
+        return b * p.slope_unit;
+    }
+    // The bias of fragment element (mt, nt, e) of a warp's tile from row0, col0
+    template <bool KEYS_IN_ROWS>
+    __device__ __forceinline__ float bias_of(int row0, int col0, int mt, int nt, int e) const {
+        const int row = row0 + mt * 16 + (threadIdx.x % 32) / 4 + 8 * (e >> 1);
+        const int col = col0 + nt * 8 + 2 * (threadIdx.x % 4) + (e & 1);
+        return KEYS_IN_ROWS ? bias_at(col, row) : bias_at(row, col);
+    }
+    template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void add_bias(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] += Score(bias_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e));
+    }
+
+    // Dropout's mask of the 16 x 16 tile at sequence positions row0, col0 (KEYS_IN_ROWS: keys in
+    // rows): one Philox call per thread (two with keys in rows) where the tile starts at
+    // multiples of 16 in the arrays, else one per element (packed sequences).
+    template <bool KEYS_IN_ROWS>
+    __device__ __forceinline__ u32 keep_bits(int row0, int col0) const {
+        const Dropout d{u32(p.dropout_seed), u32(p.dropout_seed >> 32), p.dropout_threshold, p.dropout_scale};
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+        const long long r0 = (KEYS_IN_ROWS ? k0 : q0) + row0, c0 = (KEYS_IN_ROWS ? q0 : k0) + col0;
+        if (((r0 | c0) & 15) == 0) {
+            return KEYS_IN_ROWS ? d.keep_tile_transposed(entry, c0, r0, g, t) : d.keep_tile(entry, r0, c0, g, t);
+        }
+        u32 kept = 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    const long long r = r0 + g + 8 * h, c = c0 + 8 * jb + 2 * t + b;
+                    kept |= u32(KEYS_IN_ROWS ? d.keep(entry, c, r) : d.keep(entry, r, c)) << (4 * h + 2 * jb + b);
+                }
+        return kept;
+    }
+    // The mask of a warp's 16 rows from row0 over S_TILES 8-wide tiles from col0 (all kept
+    // without dropout); NoDrop off the FULL path.
+    template <bool KEYS_IN_ROWS, int S_TILES>
+    __device__ __forceinline__ auto keep_mask(int row0, int col0) const {
+        if constexpr (FULL) {
+            KeepMask<S_TILES / 2> mask;
+            mask.scale = p.dropout_scale;
+#pragma unroll
+            for (int i = 0; i < S_TILES / 2; ++i) {
+                mask.bits[i] = p.dropout_threshold ? keep_bits<KEYS_IN_ROWS>(row0, col0 + 16 * i) : 0xFFu;
+            }
+            return mask;
+        } else {
+            return NoDrop{};
+        }
+    }
+    // The forward's dropout on p in place, after the row sums took it: dropped ones 0 (out is
+    // scaled by 1 / (1 - dropout_p) in finish). Rows from row0, keys from col0.
+    template <class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void drop(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        if constexpr (FULL) {
+            if (p.dropout_threshold) {
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                    for (int i = 0; i < N_TILES / 2; ++i) {
+                        const u32 kept = keep_bits<false>(row0 + 16 * mt, col0 + 16 * i);
+#pragma unroll
+                        for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                if (!((kept >> (4 * (e >> 1) + 2 * jb + (e & 1))) & 1u)) s[mt][2 * i + jb][e] = Score(0);
+                            }
+                    }
             }
         }
     }
@@ -195,11 +343,11 @@ struct ScorePath {
     // tanh from p: scale s' = ln p + lse, plus ALiBi's term back, `dist` its distance); 0
     // where p is.
     template <bool CAP>
-    __device__ __forceinline__ float chained(float prob, float lse2, float dist) const {
+    __device__ __forceinline__ float chained(float prob, float lse2, float dist, float bias = 0.f) const {
         if constexpr (!CAP) {
             return prob;
         } else {
-            const float capped_score = fmaf(fmaxf(log2_of<T>(prob), -150.f) + lse2, p.unscale, slope * dist);
+            const float capped_score = fmaf(fmaxf(log2_of<T>(prob), -150.f) + lse2, p.unscale, slope * dist) - bias;
             const float th = capped_score * p.cap_inv;
             return prob > 0.f ? prob * fmaf(-th, th, 1.f) : 0.f;
         }
@@ -213,7 +361,7 @@ struct ScorePath {
                                                              int m_end, int n0, int n_end, int key_row0,
                                                              float scale_log2, const float* lse2) const {
         modify<true>(st, key_row0, m0);
-        if (band.cuts(m0, m_end, n0, n_end)) {
+        if (masks_anywhere() || band.cuts(m0, m_end, n0, n_end)) {
             apply_band<true>(st, band, key_row0, m0);
             by_col<true, RAW>(st, scale_log2, lse2);
         } else {
@@ -228,7 +376,7 @@ struct ScorePath {
                                                       int n0, int n_end, int row0, float scale_log2,
                                                       const float (&lse2)[2]) const {
         modify(s, row0, n0);
-        if (band.cuts(m0, m_end, n0, n_end)) {
+        if (masks_anywhere() || band.cuts(m0, m_end, n0, n_end)) {
             apply_band(s, band, row0, n0);
             by_row<true>(s, scale_log2, lse2);
         } else {
@@ -259,30 +407,52 @@ struct ScorePath {
     // from key_row0, each query column's delta and lse2 (RAW: lse) from shared memory (or
     // taken from there per fragment element), from m0; row_ds: rows are queries from row0,
     // the thread's two deltas and lse2, keys from n0.
-    template <bool RAW = false, int S_TILES>
+    // mask: dropout's (keep_mask), applied to dp; none by default.
+    template <bool RAW = false, int S_TILES, class Mask = NoDrop>
     __device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
-                                                  const float* delta, const float* lse2, int key_row0, int m0) const {
+                                                  const float* delta, const float* lse2, int key_row0, int m0,
+                                                  const Mask& mask = {}) const {
         const int t = threadIdx.x % 4;
         ds_by<true, RAW>(dpt, pt, [&](int nt, int e) { return delta[nt * 8 + 2 * t + (e & 1)]; },
-                         [&](int nt, int e) { return lse2[nt * 8 + 2 * t + (e & 1)]; }, key_row0, m0);
+                         [&](int nt, int e) { return lse2[nt * 8 + 2 * t + (e & 1)]; }, key_row0, m0, mask);
     }
     template <int S_TILES>
     __device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
                                                   const float (&delta)[1][S_TILES][4],
                                                   const float (&lse2)[1][S_TILES][4], int key_row0, int m0) const {
         ds_by<true, false>(dpt, pt, [&](int nt, int e) { return delta[0][nt][e]; },
-                           [&](int nt, int e) { return lse2[0][nt][e]; }, key_row0, m0);
+                           [&](int nt, int e) { return lse2[0][nt][e]; }, key_row0, m0, NoDrop{});
     }
-    template <int S_TILES>
+    template <int S_TILES, class Mask = NoDrop>
     __device__ __forceinline__ void row_ds(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4],
-                                           const float (&delta)[2], const float (&lse2)[2], int row0, int n0) const {
+                                           const float (&delta)[2], const float (&lse2)[2], int row0, int n0,
+                                           const Mask& mask = {}) const {
         ds_by<false, false>(dp, p, [&](int, int e) { return delta[e >> 1]; }, [&](int, int e) { return lse2[e >> 1]; },
-                            row0, n0);
+                            row0, n0, mask);
     }
 
-    template <bool KEYS_IN_ROWS, bool RAW, int S_TILES, class Delta, class Lse2>
+    // The dq pass's dbias (FULL): dS = p (dp' - delta) before softcap's factor, dp' dp through
+    // dropout's mask, for the warp's rows from row0 and keys from col0 of the sequence, into
+    // `dbias`, the entry's nq x nk float32 rows.
+    template <int S_TILES, class Mask>
+    __device__ __forceinline__ void store_dbias(float* dbias, const float (&dp)[1][S_TILES][4],
+                                                const float (&prob)[1][S_TILES][4], const float (&delta)[2], int row0,
+                                                int col0, const Mask& mask) const {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row0 + g + 8 * (e >> 1), col = col0 + nt * 8 + 2 * t + (e & 1);
+                if (row < nq && col < nk) {
+                    dbias[index_t(row) * nk + col] = prob[0][nt][e] * (mask(0, nt, e, dp[0][nt][e]) - delta[e >> 1]);
+                }
+            }
+    }
+
+    template <bool KEYS_IN_ROWS, bool RAW, int S_TILES, class Delta, class Lse2, class Mask>
     __device__ __forceinline__ void ds_by(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4], Delta delta,
-                                          Lse2 lse2, int row0, int col0) const {
+                                          Lse2 lse2, int row0, int col0, const Mask& mask) const {
         if (capped()) {
             // (row0 through an opaque move: ALiBi's distances are then recomputed here, where
             // the compiler would rather keep modify()'s through the products, in registers)
@@ -295,13 +465,15 @@ struct ScorePath {
                 for (int e = 0; e < 4; ++e) {
                     const float l = lse2(nt, e);
                     const float dist = distance<KEYS_IN_ROWS>(first, 8 * (e >> 1), nt * 8 + (e & 1));
-                    dp[0][nt][e] = chained<true>(p[0][nt][e], RAW ? lse_to_log2(l) : l, dist) * (dp[0][nt][e] - delta(nt, e));
+                    const float bias = biased() ? bias_of<KEYS_IN_ROWS>(row0_here, col0, 0, nt, e) : 0.f;
+                    dp[0][nt][e] = chained<true>(p[0][nt][e], RAW ? lse_to_log2(l) : l, dist, bias) *
+                                   (mask(0, nt, e, dp[0][nt][e]) - delta(nt, e));
                 }
         } else {
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - delta(nt, e));
+                for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (mask(0, nt, e, dp[0][nt][e]) - delta(nt, e));
         }
     }
 };

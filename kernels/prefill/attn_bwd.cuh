@@ -149,7 +149,7 @@ attn_bwd_dkdv(const BwdParams p) {
 
     const Band band(p, w);
     // (a pass with ALiBi does not group: its query entries are one, each with its slope)
-    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0));
+    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0), w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int mb_begin, mb_end;
     band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
@@ -202,8 +202,9 @@ attn_bwd_dkdv(const BwdParams p) {
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
         path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
 
-        // dv += p^T dout
-        mma_regs_cols<T, STile>(acc_dv, st, do_st, col0);
+        // dv += p^T dout (through dropout's mask, which dp^T takes too)
+        const auto kept = path.template keep_mask<true, S_TILES>(n0 + warp_row0, m0);
+        mma_regs_cols<T, STile>(acc_dv, st, do_st, col0, kept);
 
         // dp^T = v dout^T
         float dpt[1][S_TILES][4];
@@ -211,7 +212,7 @@ attn_bwd_dkdv(const BwdParams p) {
         mma_rows_rows<T, RTile, STile, HEAD_DIM, Cfg::K_UNROLL>(dpt, s_v, warp_row0, do_st);
 
         // ds^T = p^T (dp^T - delta of each query column)
-        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0);
+        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0, kept);
 
         // dk += ds^T q (scaled at the end)
         mma_regs_cols<T, STile>(acc_dk, dpt, q_st, col0);
@@ -269,7 +270,7 @@ attn_bwd_dq(const BwdParams p) {
     }
 
     const Band band(p, w);
-    const ScorePath<T, Scores> path(p, band, w.entry);
+    const ScorePath<T, Scores> path(p, band, w.entry, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
@@ -314,8 +315,15 @@ attn_bwd_dq(const BwdParams p) {
         fill_zero(dp);
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(dp, s_do, warp_row0, v_st);
 
-        // ds = p (dp - delta); dq += ds k (scaled at the end)
-        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0);
+        // ds = p (dp - delta), dp through dropout's mask (and dbias = ds before softcap's
+        // factor where asked); dq += ds k (scaled at the end)
+        const auto kept = path.template keep_mask<false, S_TILES>(m0 + warp_row0, n0);
+        if constexpr (Scores::FULL) {
+            if (p.dbias) {
+                path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept);
+            }
+        }
+        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0, kept);
         mma_regs_cols<T, STile>(acc_dq, dp, k_st, col0);
         __syncthreads();
     }

@@ -98,7 +98,7 @@ attn_fwd(const AttnParams p) {
     const u32 s_v = s_k + Cfg::STAGES * KTile::BYTES;       // + stage * VTile::BYTES
 
     const Band band(p, w);
-    const ScorePath<T, Scores> path(p, band, w.entry);
+    const ScorePath<T, Scores> path(p, band, w.entry, w);
     const int m_end = min(m0 + BLOCK_M, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
@@ -141,12 +141,13 @@ attn_fwd(const AttnParams p) {
 
         // p = exp2((s - m) * scale_log2 - P_SHIFT), with m, l and acc brought up to date;
         // only blocks that cross the band's edge are masked
-        if (band.cuts(m0, m_end, n0, n0 + BLOCK_N)) {
+        if (path.masks_anywhere() || band.cuts(m0, m_end, n0, n0 + BLOCK_N)) {
             apply_band(s, band, m0 + warp_row0, n0);
             softmax.template update<true>(s, acc, scale_log2);
         } else {
             softmax.template update<false>(s, acc, scale_log2);
         }
+        path.drop(s, m0 + warp_row0, n0);
 
         // acc += p v
         mma_regs_cols<T, VTile>(acc, s, s_v + stage * VTile::BYTES, 0);
