@@ -223,7 +223,7 @@ def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causa
     x = _checks.kvcache_inputs(cupy, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window,
                                scale, num_splits, check)
     if mods is not None:   # (one slope and sink per query head: q's dims before Nq)
-        x.mods = _mods.check(cupy, *mods, x.out_shape[:-2], q.device.id, x.scale)
+        x.mods = _mods.check(cupy, *mods[:3], x.out_shape[:-2], q.device.id, x.scale)
     with cupy.cuda.Device(q.device.id):
         plan = KVCachePlan(q.device.id, _dispatch.kvcache_launches(x))
     arrays = (x.q, x.k, x.v, x.seqlens, x.block_table, x.k_new, x.v_new)

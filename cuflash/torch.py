@@ -14,6 +14,7 @@ except ImportError as err:
     raise ImportError("cuflash.torch needs PyTorch: pip install torch") from err
 
 import contextlib
+import functools
 from typing import Optional
 
 import numpy as np
@@ -53,13 +54,27 @@ def _cupy_stream(cupy, stream):
     return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
 
 
+def _torch_malloc(cupy, device, size):
+    """CuPy memory from torch's caching allocator on torch's current stream, owned by a torch
+    tensor: the outputs are torch's, and under CUDA graph capture they come from the graph's
+    private pool (CuPy's own pool may not allocate while a stream captures)."""
+    block = torch.empty(size, dtype=torch.uint8, device=device)
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), size, block, device.index), 0)
+
+
+@contextlib.contextmanager
+def _on_torch(cupy, device):
+    # torch's current stream, so that the kernels are ordered with torch's work and nobody waits
+    with _cupy_stream(cupy, torch.cuda.current_stream(device)), \
+            cupy.cuda.using_allocator(functools.partial(_torch_malloc, cupy, device)):
+        yield
+
+
 def _backend(device):
     """(the functions, tensor -> array, array -> tensor, the context to call them in) for a device."""
     if device.type == "cuda":
         cupy = _checks.require_cupy()
-        # torch's current stream, so that the kernels are ordered with torch's work and nobody waits
-        stream = _cupy_stream(cupy, torch.cuda.current_stream(device))
-        return _api, lambda t: cupy.from_dlpack(t.detach()), torch.from_dlpack, stream
+        return _api, lambda t: cupy.from_dlpack(t.detach()), torch.from_dlpack, _on_torch(cupy, device)
     if device.type == "cpu":
         return reference, _host_array, _host_tensor, contextlib.nullcontext()
     raise ValueError(f"cuflash.torch runs on CUDA (or, through cuflash.reference, CPU) tensors, not {device.type}")
@@ -273,8 +288,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
 def _autocast(*xs):
     """The tensors in autocast's dtype where it is on for their device (floating ones), as
     autocast casts SDPA's inputs; else as they are."""
-    device = xs[0].device.type
-    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+    device = xs[0].device.type   # (is_autocast_enabled: torch.compile folds it; is_autocast_available it may not trace)
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
         return xs
     dtype = torch.get_autocast_dtype(device)
     return tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)

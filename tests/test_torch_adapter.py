@@ -456,6 +456,24 @@ def test_gpu_decoding_step_under_cuda_graph_capture():
 
 
 @requires_gpu
+def test_gpu_outputs_come_from_torchs_caching_allocator():
+    """out and the gradients are torch's memory: torch counts them while they live and takes
+    them back when they die (nothing held in CuPy's pool)."""
+    import cupy
+
+    q, k, v = qkv(2, 8, 2, 512, 512, 64, device="cuda", dtype=torch.float16, grad=True)
+    ct.attention(q, k, v, enable_gqa=True).sum().backward()   # compiled, planned
+    torch.cuda.synchronize()
+    pool_before = cupy.get_default_memory_pool().used_bytes()
+    before = torch.cuda.memory_allocated()
+    out = ct.attention(q, k, v, enable_gqa=True)
+    assert torch.cuda.memory_allocated() - before >= out.numel() * out.element_size()
+    assert cupy.get_default_memory_pool().used_bytes() == pool_before
+    del out
+    assert torch.cuda.memory_allocated() == before
+
+
+@requires_gpu
 def test_gpu_opcheck():
     q, k, v = qkv(1, 8, 2, 128, 128, 64, device="cuda", dtype=torch.float16, grad=True)
     torch.library.opcheck(torch.ops.cuflash.attention_fwd.default,
