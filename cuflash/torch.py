@@ -114,16 +114,17 @@ def _caller_lse(lse, groups):
     return lse.flatten(-3, -2) if groups > 1 else lse
 
 
-def _kernel_per_head(x, groups):
-    """ALiBi slopes or sinks, one per query head on the last axis (or broadcast along it), as
-    cuflash's batch dims (..., Hkv, G) take them."""
-    if x is None or groups == 1 or x.dim() == 0:
+def _kernel_per_head(x, groups, axis=-1):
+    """ALiBi slopes or sinks (one per query head on the last axis, or broadcast along it), or a
+    bias (its query heads on axis -3), as cuflash's batch dims (..., Hkv, G) take them: a view.
+    A tensor without that axis broadcasts along the heads as it is."""
+    if x is None or groups == 1 or x.dim() < -axis:
         return x
-    return x.unsqueeze(-1) if x.shape[-1] == 1 else x.unflatten(-1, (-1, groups))
+    return x.unsqueeze(axis) if x.shape[axis] == 1 else x.unflatten(axis, (-1, groups))
 
 
 def _keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
-              scale, softcap, alibi_slopes, sinks, groups, check):
+              scale, softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check):
     """The keywords that cuflash's attention and attention_backward share, from the ops' arguments."""
     def opt(x):
         return None if x is None else array(x)
@@ -132,7 +133,15 @@ def _keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     return dict(causal=causal, window=window, scale=scale, cu_seqlens_q=opt(cu_seqlens_q),
                 cu_seqlens_k=opt(cu_seqlens_k), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, check=check,
                 softcap=softcap, alibi_slopes=opt(_kernel_per_head(alibi_slopes, groups)),
-                sinks=opt(_kernel_per_head(sinks, groups)))
+                sinks=opt(_kernel_per_head(sinks, groups)), bias=opt(_kernel_per_head(bias, groups, -3)),
+                dropout_p=dropout_p, seed=None if seed is None else int(seed) % 2**64)
+
+
+def _refuse_capture(device, dropout_p):
+    """Dropout's seed reaches the kernels by value: a CUDA graph would replay the mask of its capture."""
+    if dropout_p and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("cuflash.torch.attention with dropout_p > 0 cannot be captured in a CUDA graph: the "
+                           "kernels take dropout's seed by value, so every replay would drop the same entries")
 
 
 def _empty(like, shape, dtype=None):
@@ -144,22 +153,25 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tenso
                    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
                    window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
                    softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                   groups: int, check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
-    # deterministic is the backward's, kept here because the autograd formula sees only these inputs
+                   bias: Optional[Tensor], dropout_p: float, seed: Optional[Tensor], groups: int, check: bool,
+                   deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
+    # deterministic is the backward's, kept here because the autograd formula sees only these inputs;
+    # seed: a CPU int64 tensor (its value, mod 2**64, read here with no synchronisation), None without dropout
     packed = cu_seqlens_q is not None
+    _refuse_capture(q.device, dropout_p)
     fns, array, tensor, stream = _backend(q.device)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     with stream:
         out, lse = fns.attention(array(qk), array(kk), array(vk), return_lse=True, **_keywords(
             array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
-            softcap, alibi_slopes, sinks, groups, check))
+            softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check))
         out, lse = tensor(out).to(q.dtype), tensor(lse).to(torch.float32)
     return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
-      softcap, alibi_slopes, sinks, groups, check, deterministic):
+      softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic):
     packed = cu_seqlens_q is not None
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     batch = torch.broadcast_shapes(qk.shape[:-2], kk.shape[:-2], vk.shape[:-2])
@@ -174,9 +186,12 @@ def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
                    window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
                    softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                   groups: int, check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, and dsinks (empty without sinks: an op's outputs cannot be None)."""
+                   bias: Optional[Tensor], bias_grad: bool, dropout_p: float, seed: Optional[Tensor], groups: int,
+                   check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dbias (empty without bias_grad) and dsinks (empty without sinks): an op's outputs
+    cannot be None."""
     packed = cu_seqlens_q is not None
+    _refuse_capture(q.device, dropout_p)
     fns, array, tensor, stream = _backend(q.device)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     if deterministic is None:   # not given: torch's switch, read when the backward runs, as torch's kernels do
@@ -185,46 +200,69 @@ def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         grads = fns.attention_backward(
             array(_kernel_rows(dout, packed, groups)), array(qk), array(kk), array(vk),
             array(_kernel_rows(out, packed, groups)), array(_kernel_lse(lse, groups)), deterministic=deterministic,
-            **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
-                        window_right, scale, softcap, alibi_slopes, sinks, groups, check))
-        dq, dk, dv = (tensor(g).to(q.dtype) for g in grads[:3])
-        dsinks = (tensor(grads[3]).to(torch.float32).reshape(sinks.shape) if sinks is not None
-                  else _empty(q, (0,), torch.float32))
+            bias_grad=bias_grad, **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                             window_left, window_right, scale, softcap, alibi_slopes, sinks, bias,
+                                             dropout_p, seed, groups, check))
+        grads = list(grads)
+        dq, dk, dv = (tensor(grads.pop(0)).to(q.dtype) for _ in range(3))
+        # (the kernels' bias is a view of the caller's: its gradient, contiguous, is viewed back)
+        dbias = tensor(grads.pop(0)).to(bias.dtype).reshape(bias.shape) if _wants_dbias(bias, bias_grad) else None
+        dsinks = tensor(grads.pop(0)).to(torch.float32).reshape(sinks.shape) if sinks is not None else None
     return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
-            _caller_rows(dv, packed, groups, grouped=False), dsinks)
+            _caller_rows(dv, packed, groups, grouped=False), _or_empty(dbias, q), _or_empty(dsinks, q))
+
+
+def _wants_dbias(bias, bias_grad):
+    return bias is not None and bias_grad
+
+
+def _or_empty(grad, like):
+    """An optional gradient as an op returns it: empty (float32) where there is none."""
+    return _empty(like, (0,), torch.float32) if grad is None else grad
 
 
 @_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
-      window_right, scale, softcap, alibi_slopes, sinks, groups, check, deterministic):
+      window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad, dropout_p, seed, groups, check,
+      deterministic):
     packed = cu_seqlens_q is not None
     # as the kernels return them: contiguous in cuflash's layout, then viewed as the caller's
     dq, dk, dv = (_empty(q, x.shape) for x in _kernel_qkv(q, k, v, packed, groups))
-    dsinks = _empty(q, (0,) if sinks is None else sinks.shape, torch.float32)
+    dbias = _empty(bias, bias.shape) if _wants_dbias(bias, bias_grad) else None
+    dsinks = None if sinks is None else _empty(q, sinks.shape, torch.float32)
     return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
-            _caller_rows(dv, packed, groups, grouped=False), dsinks)
+            _caller_rows(dv, packed, groups, grouped=False), _or_empty(dbias, q), _or_empty(dsinks, q))
 
 
 _FWD_INPUTS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal", "window_left",
-               "window_right", "scale", "softcap", "alibi_slopes", "sinks", "groups", "check", "deterministic")
+               "window_right", "scale", "softcap", "alibi_slopes", "sinks", "bias", "dropout_p", "seed", "groups",
+               "check", "deterministic")
+# the tensors the backward keeps beside q, k, v, out and lse (the seed: dropout's mask made again)
+_SAVED = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", "bias", "seed")
 
 
 def _setup_context(ctx, inputs, output):
     args = dict(zip(_FWD_INPUTS, inputs))
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["cu_seqlens_q"], args["cu_seqlens_k"],
-                          args["alibi_slopes"], args["sinks"])
-    ctx.args = {name: args[name] for name in _FWD_INPUTS[5:] if name not in ("alibi_slopes", "sinks")}
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, *(args[name] for name in _SAVED))
+    ctx.args = {name: args[name] for name in _FWD_INPUTS[3:] if name not in _SAVED}
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
-    rest = {name: ctx.args.get(name) for name in _FWD_INPUTS[5:]}
-    rest["alibi_slopes"], rest["sinks"] = alibi_slopes, sinks
-    dq, dk, dv, dsinks = _attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *rest.values())
-    grads = dict(q=dq, k=dk, v=dv, sinks=None if sinks is None else dsinks)
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    args = {**ctx.args, **dict(zip(_SAVED, saved))}
+    # dbias only where the bias requires grad (as SDPA's float attn_mask): it costs O(Nq * Nk)
+    args["bias_grad"] = ctx.needs_input_grad[_FWD_INPUTS.index("bias")]
+    dq, dk, dv, dbias, dsinks = _attention_bwd(dout.contiguous(), q, k, v, out, lse,
+                                               *(args[name] for name in _BWD_ARGS))
+    grads = dict(q=dq, k=dk, v=dv, bias=dbias if _wants_dbias(args["bias"], args["bias_grad"]) else None,
+                 sinks=None if args["sinks"] is None else dsinks)
     return tuple(grads.get(name) for name in _FWD_INPUTS)
+
+
+# the backward op's arguments after dout, q, k, v, out and lse
+_BWD_ARGS = (*_FWD_INPUTS[3:15], "bias_grad", *_FWD_INPUTS[15:])
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -259,40 +297,83 @@ def _groups(q, k, v, packed, enable_gqa):
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False, enable_gqa=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-              softcap=None, alibi_slopes=None, sinks=None, deterministic=None):
+              softcap=None, alibi_slopes=None, sinks=None, bias=None, dropout_p=0.0, seed=None, deterministic=None):
     """``cuflash.attention`` on torch tensors in SDPA's layout, differentiable.
 
     q (B, Hq, N, D), k, v (B, Hkv, Nk, D / Dv); packed sequences (both ``cu_seqlens_q`` and
     ``cu_seqlens_k``, int32 tensors of shape (S + 1,)): q (total_q, Hq, D), k, v (total_k, Hkv, D).
     ``enable_gqa`` as in SDPA: query head h attends key head ``h // (Hq / Hkv)``. ``alibi_slopes``
-    and ``sinks`` (float32) one per query head on their last axis, usually (Hq,). The other
+    and ``sinks`` (float32) one per query head on their last axis, usually (Hq,). ``bias``, added
+    to the scores as SDPA's float ``attn_mask``: q's dtype or float32, a shape that broadcasts to
+    (B, Hq, Nq, Nk) (not with packed sequences). ``dropout_p`` with ``seed`` (an int,
+    ``0 <= seed < 2**64``); without a seed one is drawn from torch's default (CPU) generator, so
+    that ``torch.manual_seed`` repeats it, and the backward makes the same mask again. The other
     keywords are ``cuflash.attention``'s; ``deterministic`` is the backward's
     (``cuflash.attention_backward``), by default ``torch.are_deterministic_algorithms_enabled()``
-    when the backward runs. Under autocast q, k and v are cast to its dtype first, as SDPA's are.
+    when the backward runs. Under autocast q, k, v and a floating bias are cast to its dtype
+    first, as SDPA's are.
 
     Returns out (B, Hq, N, Dv) or packed (total_q, Hq, Dv), and with ``return_lse`` also lse,
-    float32, (B, Hq, N) or packed (Hq, total_q), not differentiable. Gradients reach q, k, v
-    and sinks.
+    float32, (B, Hq, N) or packed (Hq, total_q), not differentiable. Gradients reach q, k, v,
+    sinks, and the bias where it requires grad.
     """
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if packed and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("packed sequences need both cu_seqlens_q and cu_seqlens_k")
     groups = _groups(q, k, v, packed, enable_gqa)
-    q, k, v = _autocast(q, k, v)
+    _check_bias(bias, q, k, v, packed, groups)
+    dropout_p, seed = _seed(dropout_p, seed)
+    q, k, v, bias = _autocast(q, k, v, bias)
     left, right = _sides(window)
     out, lse = _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right,
-                              scale, softcap, alibi_slopes, sinks, groups, check, deterministic)
+                              scale, softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
     return (out, lse) if return_lse else out
+
+
+def _check_bias(bias, q, k, v, packed, groups):
+    """A bias in the caller's layout: a tensor on q's device whose shape broadcasts to
+    (B, Hq, Nq, Nk) without enlarging it. (Its dtype is cuflash's to check.)"""
+    if bias is None:
+        return
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if packed:
+        raise ValueError(f"bias is not taken with packed sequences (cu_seqlens_q, cu_seqlens_k), got a bias of "
+                         f"shape {tuple(bias.shape)}")
+    if bias.device != q.device:
+        raise ValueError(f"bias must be on q's device ({q.device}), got {bias.device}")
+    heads = (q.shape[1],) if groups > 1 else ()   # with enable_gqa q's heads are the batch's
+    try:
+        batch = torch.broadcast_shapes(*(x.shape[:-2] if groups == 1 else x.shape[:1] for x in (q, k, v))) + heads
+    except RuntimeError:   # batch dims that do not broadcast: cuflash says so
+        return
+    target = (*batch, q.shape[-2], k.shape[-2])
+    if not _checks._broadcasts_to(tuple(bias.shape), target):
+        raise ValueError(f"bias must have a shape that broadcasts to (B, Hq, Nq, Nk) = {target} (it may have fewer "
+                         f"dims, or 1 where it repeats), got shape {tuple(bias.shape)}")
+
+
+def _seed(dropout_p, seed):
+    """(dropout_p, seed as the ops take it): the seed a CPU int64 tensor (its value mod 2**64), drawn
+    from torch's default generator where dropout needs one and none is given; None without dropout."""
+    dropout_p = _checks.check_dropout_p(dropout_p)
+    if seed is not None:
+        _, seed = _checks.check_dropout(dropout_p, seed)
+    if not dropout_p:
+        return 0.0, None
+    if seed is None:
+        return dropout_p, torch.randint(2**63 - 1, (), dtype=torch.int64)
+    return dropout_p, torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64)
 
 
 def _autocast(*xs):
     """The tensors in autocast's dtype where it is on for their device (floating ones), as
-    autocast casts SDPA's inputs; else as they are."""
+    autocast casts SDPA's inputs (its float attn_mask too); else as they are. None stays None."""
     device = xs[0].device.type   # (is_autocast_enabled: torch.compile folds it; is_autocast_available it may not trace)
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
         return xs
     dtype = torch.get_autocast_dtype(device)
-    return tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
+    return tuple(x.to(dtype) if x is not None and x.is_floating_point() else x for x in xs)
 
 
 def _call(fn_name, device, *args, **kwargs):

@@ -228,25 +228,25 @@ def _rows(sequences, device):
 
 
 # Keywords a model may pass that change the scores in ways cuflash.torch.attention does not take
-REFUSED = {"position_bias": "a position bias (T5's relative attention bias)", "alibi": "an ALiBi bias tensor"}
+REFUSED = {"alibi": "an ALiBi bias tensor (cuflash takes ALiBi as alibi_slopes, one per head)"}
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention function for cuflash (an ``AttentionInterface`` entry).
 
     query (B, Hq, N, D), key and value (B, Hkv, Nk, D) with Hq a multiple of Hkv; returns
-    (out (B, N, Hq, Dv), None). ``attention_mask`` is the `Mask` of `attention_mask` (or None:
-    then causal is ``is_causal`` or ``module.is_causal``, and the window the ``sliding_window``
-    keyword's, as transformers' FlashAttention integration reads them). ``softcap`` and
-    ``s_aux`` (gpt-oss's sinks) are passed on; dropout is refused in training.
+    (out (B, N, Hq, Dv), None). ``attention_mask`` is the `Mask` of `attention_mask`, or a 4-dim
+    mask given to the model (float: added to the scores; bool: True where a key is attended), or
+    None: then causal is ``is_causal`` or ``module.is_causal``, and the window the
+    ``sliding_window`` keyword's, as transformers' FlashAttention integration reads them.
+    ``softcap``, ``s_aux`` (gpt-oss's sinks) and ``position_bias`` (added to the scores) are passed
+    on, and ``dropout`` (the config's attention dropout in training) as ``dropout_p``, with a seed
+    from torch's generator.
     """
-    if dropout:
-        raise NotImplementedError(f"cuflash's attention for transformers has no dropout (dropout={dropout}): "
-                                  "set the config's attention dropout to 0 or call model.eval()")
     for name, what in REFUSED.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"cuflash cannot add {what} ({name}) to the scores")
-    mask = attention_mask
+    mask, bias = attention_mask, kwargs.get("position_bias")
     b, hq, nq, _ = query.shape
     nk = key.shape[2]
     if mask is None:
@@ -257,26 +257,49 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             key, value, nk = key[:, :, :nq], value[:, :, :nq], nq
         mask = Mask(b, nq, nk, causal, None if not window else (int(window) - 1, None if causal else int(window) - 1),
                     nk)
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        # a mask given to the model, handed on as it is: as transformers' SDPA integration, its first nk keys
+        # and no causal bound of its own
+        bias = _mask_bias(mask[..., :nk], bias, query.dtype)
+        mask = Mask(b, nq, nk, False, None, nk)
     elif not isinstance(mask, Mask):
         what = f"a {mask.dim()}-dim {mask.dtype} tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise NotImplementedError(f"cuflash cannot express attention_mask {what}: it reads the masks its own mask "
                                   "function makes (a model built with this attn_implementation and a 2-dim "
-                                  "padding mask)")
+                                  "padding mask) and 4-dim float or bool masks")
     if mask.shape != (b, 1, nq, nk):
         raise ValueError(f"the mask was made for (batch, queries, keys) {mask.shape[::2] + mask.shape[3:]}, "
                          f"the attention got {(b, nq, nk)}")
     sinks = kwargs.get("s_aux")
     if sinks is not None:   # float32, as cuflash takes them (the gradient flows back through the cast)
         sinks = sinks.to(torch.float32)
+    if bias is not None:
+        bias = bias[..., :mask.key_end]
+        if bias.dtype not in (query.dtype, torch.float32):   # as cuflash takes it (the gradient flows back)
+            bias = bias.to(torch.float32)
     options = dict(causal=mask.causal, window=mask.window, scale=scaling, enable_gqa=hq != key.shape[1],
-                   softcap=kwargs.get("softcap") or None, sinks=sinks)
+                   softcap=kwargs.get("softcap") or None, sinks=sinks, dropout_p=float(dropout))
     key, value = key[:, :, :mask.key_end], value[:, :, :mask.key_end]
     if mask.rows is None:
-        out = cuflash_torch.attention(query, key, value, **options)
+        out = cuflash_torch.attention(query, key, value, bias=bias, **options)
         return out.transpose(1, 2), None
+    if bias is not None:
+        raise NotImplementedError("cuflash cannot add a position_bias to the scores of a padded batch or of "
+                                  "sequences packed by position ids (it runs them as packed sequences, which take "
+                                  "no bias)")
     q_rows, k_rows, cu_q, cu_k, max_q, max_k = mask.rows
     q, k, v = (x.transpose(1, 2)[r] for x, r in ((query, q_rows), (key, k_rows), (value, k_rows)))
     out = cuflash_torch.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                                   max_seqlen_k=max_k, check=False, **options)
     full = out.new_zeros((b, nq, hq, out.shape[-1]))
     return full.index_put(q_rows, out), None
+
+
+def _mask_bias(mask, position_bias, dtype):
+    """A 4-dim mask (and the position bias, if any) as one additive bias, as transformers' SDPA
+    integration combines them: a float mask added; a bool one -inf where False (0, or the position
+    bias, where True), in `dtype` without a position bias."""
+    if mask.dtype != torch.bool:
+        return mask if position_bias is None else mask + position_bias
+    kept = torch.zeros((), dtype=dtype, device=mask.device) if position_bias is None else position_bias
+    return torch.where(mask, kept, float("-inf"))

@@ -3,7 +3,8 @@
 Without a GPU: the imports (cuflash never imports torch; cuflash.torch without torch says how
 to install it), the fake kernels' shapes, dtypes and strides, the argument errors, and the
 whole autograd path on CPU tensors, where the ops run cuflash.reference: forward and gradients
-against torch's scaled_dot_product_attention in float64, GQA, packed sequences, sinks, and
+against torch's scaled_dot_product_attention in float64, GQA, packed sequences, sinks, a bias
+(SDPA's float attn_mask, with its gradient), dropout (its mask, its seed, its gradients), and
 torch.library.opcheck. On a GPU: the same against SDPA in float64 for the kernels, opcheck,
 zero-copy and the stream, and torch.compile(fullgraph=True).
 """
@@ -14,8 +15,11 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 from conftest import requires_gpu
+
+from cuflash import reference
 
 torch = pytest.importorskip("torch", reason="cuflash.torch needs PyTorch")
 
@@ -99,6 +103,17 @@ def test_fake_sinks_gradient_has_the_sinks_shape():
     assert (dsinks.shape, dsinks.dtype) == ((4,), torch.float32)
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 64, 80), (1, 1, 64, 80), (8, 1, 80), (64, 80), (80,)])
+def test_fake_bias_gradient_has_the_bias_shape(shape):
+    # under GQA the bias's query heads (axis -3) are split as q's are: each shape comes back as it was given
+    q = torch.empty((2, 8, 64, 32), device="meta", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.empty((2, 2, 80, 32), device="meta", dtype=torch.float16) for _ in range(2))
+    bias = torch.empty(shape, device="meta", dtype=torch.float32, requires_grad=True)
+    out = ct.attention(q, k, v, bias=bias, enable_gqa=True, dropout_p=0.1)
+    dq, dbias = torch.autograd.grad(out.sum(), (q, bias))
+    assert (dq.shape, dbias.shape, dbias.dtype) == (q.shape, shape, torch.float32)
+
+
 @pytest.mark.parametrize("shapes, kw, match", [
     (((2, 4, 16), (2, 4, 16, 8), (2, 4, 16, 8)), {}, r"q must be \(B, H, N, D\)"),
     (((2, 4, 16, 8),) * 3, dict(cu_seqlens_q=torch.tensor([0, 16], dtype=torch.int32),
@@ -118,6 +133,32 @@ def test_tensors_only():
     q = torch.zeros(1, 1, 4, 8)
     with pytest.raises(TypeError, match="torch.Tensor"):
         ct.attention(q.numpy(), q, q)
+
+
+def meta(*shape):
+    return torch.empty(shape, device="meta")
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(bias=torch.zeros(2, 4, 16, 16).numpy()), TypeError, "bias must be a torch.Tensor"),
+    (dict(bias=torch.zeros(2, 4, 16, 16)), ValueError, "bias must be on q's device"),
+    (dict(bias=meta(2, 3, 16, 16)), ValueError, r"broadcasts to \(B, Hq, Nq, Nk\) = \(2, 4, 16, 16\)"),
+    (dict(bias=meta(1, 2, 4, 16, 16)), ValueError, r"broadcasts to \(B, Hq, Nq, Nk\)"),
+    (dict(bias=meta(16, 16), enable_gqa=True), ValueError, r"= \(2, 4, 16, 8\)"),
+    (dict(bias=meta(2, 4, 16, 16), cu_seqlens_q=torch.zeros(3, dtype=torch.int32, device="meta"),
+          cu_seqlens_k=torch.zeros(3, dtype=torch.int32, device="meta")), ValueError, "not taken with packed"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p must be a real number"),
+    (dict(dropout_p=0.1, seed=1.5), TypeError, "seed must be None or an int"),
+    (dict(dropout_p=0.1, seed=2**64), ValueError, r"0 <= seed < 2\*\*64"),
+    (dict(seed=-1), ValueError, r"0 <= seed < 2\*\*64"),
+])
+def test_bias_and_dropout_errors_raise_before_any_launch(kw, error, match):
+    packed = "cu_seqlens_q" in kw
+    q = meta(16, 4, 8) if packed else meta(2, 4, 16, 8)
+    k = meta(16, 2, 8) if packed else meta(2, 2, 8, 8) if kw.get("enable_gqa") else q
+    with pytest.raises(error, match=match):
+        ct.attention(q, k, k, **kw)
 
 
 # The autograd path end to end on CPU tensors (cuflash.reference), against SDPA in float64.
@@ -152,28 +193,34 @@ def test_cpu_forward_and_gradients_match_sdpa(hq, hkv, causal):
     assert_all_close(got, want, CPU_TOL)
 
 
-def test_cpu_autocast_gives_sdpas_dtype():
-    """Under autocast q, k, v are cast to its dtype as SDPA's are: the output has SDPA's dtype and
-    values, and float32 inputs get float32 gradients."""
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_autocast_gives_sdpas_dtype(with_bias):
+    """Under autocast q, k, v (and a float32 bias, as SDPA's float attn_mask) are cast to its dtype
+    as SDPA's are: the output has SDPA's dtype and values, and float32 inputs get float32 gradients."""
     q, k, v = qkv(1, 4, 4, 32, 32, 16, dtype=torch.float32, grad=True)
+    bias = make((1, 4, 32, 32), dtype=torch.float32, seed=5, grad=True) if with_bias else None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = ct.attention(q, k, v, causal=True)
-        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        got = ct.attention(q, k, v, causal=not with_bias, bias=bias)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=not with_bias, attn_mask=bias)
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want.float(), atol=2e-2)
     got.float().sum().backward()
-    assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in (q, k, v))
+    assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in (q, k, v, bias) if x is not None)
     assert ct.attention(q, k, v).dtype == torch.float32   # and without autocast, nothing is cast
+
+
+@pytest.fixture
+def backward_keywords(monkeypatch):
+    """The keywords of each cuflash.reference.attention_backward call (the CPU path's backward)."""
+    seen = []
+    real = reference.attention_backward
+    monkeypatch.setattr(reference, "attention_backward", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    return seen
 
 
 @pytest.mark.parametrize("given, switch, want", [(None, False, False), (None, True, True), (True, False, True),
                                                  (False, True, False)])
-def test_deterministic_follows_torchs_switch_unless_given(monkeypatch, given, switch, want):
-    from cuflash import reference
-
-    seen = []
-    real = reference.attention_backward
-    monkeypatch.setattr(reference, "attention_backward", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+def test_deterministic_follows_torchs_switch_unless_given(backward_keywords, given, switch, want):
     q, k, v = qkv(1, 2, 2, 8, 8, 16, grad=True)
     out = ct.attention(q, k, v, **({} if given is None else {"deterministic": given}))
     before = torch.are_deterministic_algorithms_enabled()
@@ -182,7 +229,7 @@ def test_deterministic_follows_torchs_switch_unless_given(monkeypatch, given, sw
         out.sum().backward()
     finally:
         torch.use_deterministic_algorithms(before)
-    assert seen == [want]
+    assert [kw["deterministic"] for kw in backward_keywords] == [want]
 
 
 def test_cpu_views_in_the_bnhd_layout():
@@ -227,10 +274,200 @@ def test_cpu_sinks_gradient_matches_the_sink_as_an_extra_key():
         assert (a - w).abs().max().item() <= CPU_TOL
 
 
+# A bias (SDPA's float attn_mask, its gradient where it requires grad) and dropout, on the CPU
+
+BIAS_SHAPES = {"per head": (2, 8, 12, 20), "key padding": (2, 1, 1, 20), "per head, shared": (8, 12, 20),
+               "table": (12, 20), "per key": (20,)}
+
+
+def bottom_right_causal(nq, nk):
+    """cuflash's causal mask (row i sees keys j <= i + nk - nq) as an additive float mask."""
+    allowed = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+    return torch.zeros(nq, nk, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq, hkv", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("shape", BIAS_SHAPES)
+def test_cpu_bias_and_its_gradient_match_sdpas_float_mask(shape, hq, hkv, causal):
+    q, k, v = qkv(2, hq, hkv, 12, 20, 16, 8, grad=True)
+    bias = make(BIAS_SHAPES[shape], seed=5, grad=True)
+    dout = make((2, hq, 12, 8), seed=4)
+    mask = bias + bottom_right_causal(12, 20) if causal else bias
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+    want = (want, *torch.autograd.grad(want, (q, k, v, bias), dout))
+    out = ct.attention(q, k, v, bias=bias, causal=causal, enable_gqa=hq != hkv)
+    got = (out, *torch.autograd.grad(out, (q, k, v, bias), dout))
+    assert_all_close(got, want, CPU_TOL)
+    assert got[4].shape == bias.shape and (got[4] - want[4]).abs().max().item() <= CPU_TOL
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_cpu_dbias_only_where_the_bias_requires_grad(backward_keywords, requires_grad):
+    q, k, v = qkv(1, 4, 2, 8, 8, 16, grad=True)
+    bias = make((1, 4, 8, 8), seed=5, grad=requires_grad)
+    ct.attention(q, k, v, bias=bias, enable_gqa=True).sum().backward()
+    assert [kw["bias_grad"] for kw in backward_keywords] == [requires_grad]
+    assert (bias.grad is not None) == requires_grad and q.grad is not None
+
+
+def keep_mask(seed, n, nq, nk, p):
+    """cuflash.reference.dropout_keep for batch entries n (an array), rows 0 .. nq - 1 and keys
+    0 .. nk - 1, as a bool tensor of shape n.shape + (nq, nk)."""
+    n = np.asarray(n)[..., None, None]
+    keep = reference.dropout_keep(seed, n, np.arange(nq)[:, None], np.arange(nk), p)
+    return torch.from_numpy(np.broadcast_to(keep, n.shape[:-2] + (nq, nk)).copy())
+
+
+# the CPU path, and the kernels (skipped without a GPU)
+DEVICES = [pytest.param("cpu", torch.float64, id="cpu"),
+           pytest.param("cuda", torch.float16, id="gpu", marks=requires_gpu)]
+
+
+def assert_kept_probabilities(out, keep, nk, p):
+    """out of q = 0 (each of the Nk keys has probability 1 / Nk) and v the identity: key j's kept
+    probability, 1 / (Nk (1 - p)), at [..., i, j] where dropout keeps it, 0 where it drops it."""
+    eps = torch.finfo(out.dtype).eps
+    out = out.cpu().double()
+    assert torch.equal(out != 0, keep)
+    want = 1 / (nk * (1 - p))
+    assert (out[keep] - want).abs().max().item() <= 16 * eps * want
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+@pytest.mark.parametrize("seed", [3, 2**64 - 5])   # above 2**63 the seed travels as a negative int64
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2)])
+def test_dropped_entries_are_dropout_keeps(hq, hkv, seed, device, dtype):
+    # batch entry n = b * Hq + h
+    b, nq, nk, p = 2, 40, 64, 0.3
+    q = torch.zeros(b, hq, nq, 16, dtype=dtype, device=device)
+    k = make((b, hkv, nk, 16), dtype=dtype, device=device, seed=2)
+    v = torch.eye(nk, dtype=dtype, device=device).expand(b, hkv, nk, nk).contiguous()
+    out = ct.attention(q, k, v, dropout_p=p, seed=seed, enable_gqa=hq != hkv)
+    keep = keep_mask(seed, torch.arange(b * hq).view(b, hq).numpy(), nq, nk, p)
+    assert 0.5 < keep.float().mean() < 0.9
+    assert_kept_probabilities(out, keep, nk, p)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+def test_dropped_entries_of_packed_sequences_are_dropout_keeps(device, dtype):
+    # positions in the packed arrays, batch entry n = h; every key of a sequence of 24 keys
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device=device) for x in ([0, 5, 36], [0, 24, 48]))
+    hq, hkv, p, seed = 4, 2, 0.25, 99
+    q = torch.zeros(36, hq, 16, dtype=dtype, device=device)
+    k = make((48, hkv, 16), dtype=dtype, device=device, seed=2)
+    v = torch.eye(48, dtype=dtype, device=device)[:, None, :].expand(48, hkv, 48).contiguous()
+    out = ct.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, dropout_p=p, seed=seed, enable_gqa=True)
+    keep = keep_mask(seed, torch.arange(hq).numpy(), 36, 48, p).permute(1, 0, 2)   # (total_q, Hq, total_k)
+    own = torch.zeros(36, 48, dtype=torch.bool)
+    own[:5, :24] = own[5:, 24:] = True
+    assert_kept_probabilities(out, keep & own[:, None, :], 24, p)
+
+
+def test_cpu_dropout_gradients_go_through_the_forwards_mask():
+    # against the same attention in plain torch, with cuflash.reference's keep mask: the backward makes
+    # the forward's mask again from the seed
+    b, hq, hkv, nq, nk, d, p, seed = 2, 4, 2, 12, 20, 16, 0.2, 12345
+    q, k, v = qkv(b, hq, hkv, nq, nk, d, grad=True)
+    bias = make((b, 1, nq, nk), seed=5, grad=True)
+    dout = make((b, hq, nq, d), seed=4)
+    out = ct.attention(q, k, v, bias=bias, dropout_p=p, seed=seed, enable_gqa=True, causal=True)
+    got = (out, *torch.autograd.grad(out, (q, k, v, bias), dout))
+    kk, vv = (x.repeat_interleave(hq // hkv, 1) for x in (k, v))
+    s = q @ kk.transpose(-1, -2) * d ** -0.5 + bias + bottom_right_causal(nq, nk)
+    keep = keep_mask(seed, torch.arange(b * hq).view(b, hq).numpy(), nq, nk, p)
+    want = (s.softmax(-1) * keep / (1 - p)) @ vv
+    want = (want, *torch.autograd.grad(want, (q, k, v, bias), dout))
+    assert_all_close(got, want, CPU_TOL)
+    assert (got[4] - want[4]).abs().max().item() <= CPU_TOL
+
+
+def dropout_run(seed=None, **kw):
+    """out and the gradients of q, k, v of one call with dropout."""
+    q, k, v = qkv(1, 4, 2, 16, 16, 8, grad=True)
+    out = ct.attention(q, k, v, dropout_p=0.4, seed=seed, enable_gqa=True, **kw)
+    return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+
+def test_cpu_dropout_seed_from_torchs_generator():
+    torch.manual_seed(0)
+    first = dropout_run()
+    again = dropout_run()   # a new seed drawn
+    torch.manual_seed(0)
+    repeated = dropout_run()
+    assert all(torch.equal(a, b) for a, b in zip(first, repeated))
+    assert not torch.equal(first[0], again[0])
+    # a given seed does not depend on torch's generator
+    torch.manual_seed(1)
+    given = dropout_run(seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(given, dropout_run(seed=5)))
+    assert not torch.equal(given[0], dropout_run(seed=6)[0])
+
+
+def test_cpu_activation_checkpointing_recomputes_the_same_dropout():
+    """torch.utils.checkpoint restores torch's generator before it recomputes the forward, so the
+    recomputation draws the same seed: the same gradients, bitwise."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = qkv(2, 8, 2, 24, 24, 16, grad=True)
+    bias = make((2, 8, 24, 24), seed=5, grad=True)
+
+    def layer(q, k, v, bias):
+        return ct.attention(q, k, v, causal=True, enable_gqa=True, bias=bias, dropout_p=0.3).tanh()
+
+    torch.manual_seed(0)
+    want = torch.autograd.grad(layer(q, k, v, bias).sum(), (q, k, v, bias))
+    torch.manual_seed(0)
+    got = torch.autograd.grad(checkpoint(layer, q, k, v, bias, use_reentrant=False).sum(), (q, k, v, bias))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_cpu_torch_compile_with_bias_and_dropout_without_graph_breaks():
+    # the seed drawn from torch's generator inside the compiled graph, an input of the op: the same
+    # seed as eager after the same torch.manual_seed, and no recompilation for a new one
+    q, k, v = qkv(1, 8, 2, 16, 16, 8, grad=True)
+    bias = make((1, 8, 16, 16), seed=5, grad=True)
+
+    def loss(q, k, v, bias):
+        return ct.attention(q, k, v, causal=True, enable_gqa=True, bias=bias, dropout_p=0.25).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    want = torch.autograd.grad(loss(q, k, v, bias), (q, k, v, bias))
+    torch.manual_seed(3)
+    got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(2):
+            xs = [make(x.shape, seed=10 + 4 * step + i, grad=True) for i, x in enumerate((q, k, v, bias))]
+            torch.manual_seed(step)
+            want = torch.autograd.grad(loss(*xs), xs)
+            torch.manual_seed(step)
+            got = torch.autograd.grad(compiled(*xs), xs)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+
+
+# the forward op's arguments, by name, as ct.attention passes them when not given
+FWD_DEFAULTS = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                    window_left=None, window_right=None, scale=None, softcap=None, alibi_slopes=None, sinks=None,
+                    bias=None, dropout_p=0.0, seed=None, groups=1, check=True, deterministic=None)
+
+
+def opcheck_fwd(**args):
+    """torch.library.opcheck of cuflash::attention_fwd, its arguments by name (FWD_DEFAULTS for the rest)."""
+    op = torch.ops.cuflash.attention_fwd.default
+    named = dict(FWD_DEFAULTS, **args)
+    torch.library.opcheck(op, tuple(named[a.name] for a in op._schema.arguments))
+
+
 def test_cpu_opcheck():
     q, k, v = qkv(1, 4, 2, 8, 8, 16, grad=True)
-    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default,
-                          (q, k, v, None, None, None, None, True, None, None, None, None, None, None, 2, True, True))
+    opcheck_fwd(q=q, k=k, v=v, causal=True, groups=2, deterministic=True)
+    bias = make((1, 4, 8, 8), seed=5, grad=True)
+    opcheck_fwd(q=q, k=k, v=v, bias=bias, dropout_p=0.25, seed=torch.tensor(7), groups=2, deterministic=True)
 
 
 def test_cpu_merge_matches_one_attention_over_all_keys():
@@ -362,13 +599,72 @@ def test_gpu_forward_and_gradients_as_accurate_as_sdpa(dtype, hq, hkv, causal):
 
 
 @requires_gpu
-@pytest.mark.parametrize("case", ["packed", "sinks", "alibi_window", "bnhd_view"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("hq, hkv, shape", [(8, 8, (2, 8, 256, 256)), (8, 2, (2, 8, 256, 256)),
+                                            (8, 2, (2, 1, 1, 256)), (16, 1, (256, 256))])
+def test_gpu_bias_and_its_gradient_as_accurate_as_sdpas_float_mask(dtype, hq, hkv, shape):
+    # SDPA with the bias as its float attn_mask, which requires grad: the same criterion as above, dbias too
+    q, k, v = qkv(2, hq, hkv, 256, 256, 64, device="cuda", dtype=dtype, grad=True)
+    bias = make(shape, device="cuda", dtype=dtype, seed=5, grad=True)
+    dout = make((2, hq, 256, 64), device="cuda", dtype=dtype, seed=4)
+
+    def sdpa(q, k, v, bias, dout):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=hkv != hq)
+        return (out, *torch.autograd.grad(out, (q, k, v, bias), dout))
+
+    ref = sdpa(*(x.detach().double().requires_grad_() for x in (q, k, v, bias)), dout.double())
+    theirs = sdpa(q, k, v, bias, dout)
+    out = ct.attention(q, k, v, bias=bias, enable_gqa=hkv != hq)
+    ours = (out, *torch.autograd.grad(out, (q, k, v, bias), dout))
+    ulp = torch.finfo(dtype).eps
+    for name, c, o, t, r in zip(("out", "dq", "dk", "dv", "dbias"), (2, 3, 3, 3, 3), ours, theirs, ref):
+        assert o.dtype == dtype and o.shape == r.shape, name
+        err, their_err = ((x.double() - r).abs().max().item() for x in (o, t))
+        assert err <= c * their_err + 4 * ulp * max(1.0, r.abs().max().item()), name
+
+
+@requires_gpu
+def test_gpu_dropout_with_one_seed_gives_the_same_bits():
+    q, k, v = qkv(2, 8, 2, 256, 256, 64, device="cuda", dtype=torch.float16, grad=True)
+    bias = make((2, 8, 256, 256), device="cuda", dtype=torch.float16, seed=5, grad=True)
+    dout = make((2, 8, 256, 64), device="cuda", dtype=torch.float16, seed=4)
+
+    def run(seed=None):
+        out = ct.attention(q, k, v, causal=True, enable_gqa=True, bias=bias, dropout_p=0.2, seed=seed,
+                           deterministic=True)
+        return (out, *torch.autograd.grad(out, (q, k, v, bias), dout))
+
+    given = run(77)
+    assert all(torch.equal(a, b) for a, b in zip(given, run(77)))
+    torch.manual_seed(0)
+    drawn = run()
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(drawn, run()))
+    assert not torch.equal(drawn[0], run()[0]) and not torch.equal(given[0], run(78)[0])
+
+
+@requires_gpu
+def test_gpu_dropout_is_refused_under_cuda_graph_capture():
+    # the kernels take the seed by value: a replay would drop what the capture dropped
+    q, k, v = qkv(1, 4, 4, 128, 128, 64, device="cuda", dtype=torch.float16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        doubled = q * 2   # (the graph is not empty)
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            ct.attention(q, k, v, dropout_p=0.1, seed=1)
+    graph.replay()
+    assert torch.equal(doubled, q * 2)
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", ["packed", "sinks", "alibi_window", "bnhd_view", "bias_dropout", "packed_dropout"])
 def test_gpu_agrees_with_the_cpu_path(case):
     # the CPU path (cuflash.reference, float64) checked against SDPA above; here the kernels against it,
-    # within float16's error at the results' scale
+    # within float16's error at the results' scale (dbias: at its own, which is small); with dropout, the
+    # same seed gives both the same mask
     hq, hkv = 8, 2
     kw = dict(enable_gqa=True, causal=True)
-    if case == "packed":
+    if case.startswith("packed"):
         shapes = ((300, hq, 64), (340, hkv, 64), (340, hkv, 64))
         kw.update(cu_seqlens_q=torch.tensor([0, 100, 300], dtype=torch.int32),
                   cu_seqlens_k=torch.tensor([0, 140, 340], dtype=torch.int32))
@@ -378,25 +674,30 @@ def test_gpu_agrees_with_the_cpu_path(case):
         kw["sinks"] = make((hq,), dtype=torch.float32, seed=5)
     if case == "alibi_window":
         kw.update(alibi_slopes=make((hq,), dtype=torch.float32, seed=5).abs(), window=(64, None), softcap=30.0)
+    if case.endswith("dropout"):
+        kw.update(dropout_p=0.2, seed=2024)
+    if case == "bias_dropout":   # one bias for every head: its gradient sums the heads'
+        kw["bias"] = make((2, 1, 200, 240), dtype=torch.float32, seed=6)
     inputs = [make(shape, seed=i) for i, shape in enumerate(shapes)]
     if case == "bnhd_view":
         inputs = [make(shape[:1] + shape[2:3] + shape[1:2] + shape[3:], seed=i).transpose(1, 2)
                   for i, shape in enumerate(shapes)]
     dout = make(shapes[0], seed=9)
+    differentiable = [key for key in ("bias", "sinks") if key in kw]
 
     def run(device, dtype):
         xs = [x.to(device=device, dtype=dtype).requires_grad_() for x in inputs]
         opts = {key: x.to(device) if isinstance(x, torch.Tensor) else x for key, x in kw.items()}
-        if "sinks" in opts:
-            opts["sinks"].requires_grad_()
+        for key in differentiable:
+            opts[key].requires_grad_()
         out, lse = ct.attention(*xs, return_lse=True, **opts)
-        wrt = xs + ([opts["sinks"]] if "sinks" in opts else [])
+        wrt = xs + [opts[key] for key in differentiable]
         return [out, lse, *torch.autograd.grad(out, wrt, dout.to(device=device, dtype=dtype))]
 
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), run("cuda", torch.float16),
-                               run("cpu", torch.float64)):
+    names = ["out", "lse", "dq", "dk", "dv"] + ["d" + key for key in differentiable]
+    for name, got, want in zip(names, run("cuda", torch.float16), run("cpu", torch.float64), strict=True):
         assert got.shape == want.shape, name
-        scale = max(1.0, want.abs().max().item())
+        scale = want.abs().max().item() if name == "dbias" else max(1.0, want.abs().max().item())
         assert (got.cpu().double() - want.double()).abs().max().item() <= 1e-2 * scale, name
 
 
@@ -476,12 +777,14 @@ def test_gpu_outputs_come_from_torchs_caching_allocator():
 @requires_gpu
 def test_gpu_opcheck():
     q, k, v = qkv(1, 8, 2, 128, 128, 64, device="cuda", dtype=torch.float16, grad=True)
-    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default,
-                          (q, k, v, None, None, None, None, True, None, None, None, None, None, None, 4, True, True))
+    opcheck_fwd(q=q, k=k, v=v, causal=True, groups=4, deterministic=True)
     cu = torch.tensor([0, 50, 128], dtype=torch.int32, device="cuda")
     packed = [x[0].transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default,
-                          (*packed, cu, cu, None, None, False, None, None, None, None, None, None, 4, False, True))
+    opcheck_fwd(q=packed[0], k=packed[1], v=packed[2], cu_seqlens_q=cu, cu_seqlens_k=cu, groups=4, check=False,
+                deterministic=True)
+    # a bias that requires grad (dbias) under GQA, and dropout with its seed
+    bias = make((1, 8, 128, 128), device="cuda", dtype=torch.float16, seed=5, grad=True)
+    opcheck_fwd(q=q, k=k, v=v, bias=bias, dropout_p=0.25, seed=torch.tensor(7), groups=4, deterministic=True)
 
 
 @requires_gpu
@@ -522,5 +825,23 @@ def test_gpu_torch_compile_fullgraph():
     compiled = torch.compile(loss, fullgraph=True)
     want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
     got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@requires_gpu
+def test_gpu_torch_compile_fullgraph_with_bias_and_dropout():
+    q, k, v = qkv(2, 8, 2, 128, 128, 64, device="cuda", dtype=torch.float16, grad=True)
+    bias = make((2, 1, 128, 128), device="cuda", dtype=torch.float16, seed=5, grad=True)
+    weights = make((2, 8, 128, 64), device="cuda", dtype=torch.float16, seed=6)
+
+    def loss(q, k, v, bias):
+        out = ct.attention(q, k, v, causal=True, enable_gqa=True, bias=bias, dropout_p=0.1, seed=3,
+                           deterministic=True)
+        return (out * weights).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    want = torch.autograd.grad(loss(q, k, v, bias), (q, k, v, bias))
+    got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias))
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -8,10 +8,11 @@ kind, bidirectional, packed sequences), and tiny models built from configs with 
 gradients with cuflash match those with transformers' own attention (SDPA, or eager where the
 model's scores have a softcap or sinks) in float64 on the CPU, where cuflash runs its float64
 reference: an unpadded batch, right- and left-padded batches against each sequence run alone,
-sequences packed by their position ids, greedy generation with dynamic and static caches; the
-masks and keywords cuflash cannot express raise NotImplementedError. On a GPU: the same models
-in bfloat16 against SDPA / eager in bfloat16, both measured against a float64 run, by the
-accuracy criterion.
+sequences packed by their position ids, greedy generation with dynamic and static caches, a 4-dim
+float or bool mask given to the model, a position bias, dropout in training (repeated by
+torch.manual_seed); the masks and keywords cuflash cannot express raise NotImplementedError. On
+a GPU: the same models in bfloat16 against SDPA / eager in bfloat16, both measured against a
+float64 run, by the accuracy criterion.
 """
 
 from __future__ import annotations
@@ -377,11 +378,28 @@ def test_torch_compile_fullgraph_gives_the_same_logits_and_gradients():
 
 # What cuflash cannot express raises, naming it
 
-def test_a_4d_float_mask_raises():
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_a_4d_mask_given_to_the_model_is_its_bias(kind, calls):
+    # transformers hands a 4-dim mask to the attention as it is: cuflash adds a float one to the scores,
+    # its gradient flowing back to it, and leaves out the keys a bool one marks False, as SDPA does
     model, _ = build("llama")
-    model.set_attn_implementation(NAME)
-    with pytest.raises(NotImplementedError, match="4-dim torch.float64"):
-        model(input_ids=token_ids(2, 8, 1), attention_mask=torch.zeros(2, 1, 8, 8, dtype=torch.float64))
+    b, n = 2, 10
+    allowed = torch.ones(n, n, dtype=torch.bool).tril().repeat(b, 1, 1, 1)
+    allowed[1, :, 3:, 1] = False
+    mask = allowed if kind == "bool" else draw((b, 1, n, n), 3).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    mask.requires_grad_(kind == "float")
+    ids, weights = token_ids(b, n, 1), draw((b, n, COMMON["vocab_size"]), 2)
+    results = {}
+    for impl in ("sdpa", NAME):
+        mask.grad = None
+        logits, grads = logits_and_grads(model, impl, weights, input_ids=ids, attention_mask=mask)
+        results[impl] = logits, grads, mask.grad
+    assert len(calls) == len(model.model.layers)
+    assert all(c["bias"].shape == (b, 1, n, n) and not c["causal"] and c["window"] is None for c in calls)
+    assert_close(results[NAME][0], results["sdpa"][0])
+    assert_grads_close(results[NAME][1], results["sdpa"][1])
+    if kind == "float":
+        assert_close(results[NAME][2], results["sdpa"][2])
 
 
 def test_padding_with_holes_raises():
@@ -405,19 +423,62 @@ def test_a_mask_function_it_cannot_read_raises():
         hf.attention_mask(2, 8, 8, mask_function=chunked)
 
 
-def test_dropout_in_training_raises():
+def test_dropout_in_training_is_cuflashs_dropout(calls):
+    # the config's attention dropout in training, with seeds from torch's generator: torch.manual_seed
+    # repeats a step bitwise (cuflash.torch's tests check the mask itself)
     model, _ = build("llama", attention_dropout=0.1)
-    model.set_attn_implementation(NAME)
-    model(input_ids=token_ids(2, 8, 1))   # eval: no dropout
+    ids, weights = token_ids(2, 8, 1), draw((2, 8, COMMON["vocab_size"]), 2)
+    evaluated = logits_and_grads(model, NAME, weights, input_ids=ids)   # eval: no dropout
     model.train()
-    with pytest.raises(NotImplementedError, match="dropout=0.1"):
-        model(input_ids=token_ids(2, 8, 1))
+    steps = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        steps.append(logits_and_grads(model, NAME, weights, input_ids=ids))
+    layers = len(model.model.layers)
+    assert [c["dropout_p"] for c in calls] == [0.0] * layers + [0.1] * 3 * layers
+    assert torch.equal(steps[0][0], steps[1][0])
+    assert all(torch.equal(steps[0][1][name], steps[1][1][name]) for name in steps[0][1])
+    assert not torch.equal(steps[0][0], steps[2][0]) and not torch.equal(steps[0][0], evaluated[0])
 
 
-def test_a_position_bias_raises():
+class GroupedModule(Module):
+    num_key_value_groups = 2   # what transformers' SDPA integration reads for GQA
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "4d bool"])
+def test_a_position_bias_is_added_to_the_scores_as_sdpa_adds_it(mask):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = draw((2, 4, 9, 16), 1), draw((2, 2, 9, 16), 2), draw((2, 2, 9, 8), 3)
+    position_bias = draw((1, 4, 9, 9), 4)
+    xs = [x.requires_grad_() for x in (q, k, v, position_bias)]
+    module = GroupedModule()
+    ours = theirs = None   # the masks: ours from cuflash's mask function, theirs as transformers' SDPA takes it
+    if mask == "none":
+        module.is_causal = False
+    elif mask == "causal":
+        ours = hf.attention_mask(2, 9, 9)
+    else:
+        ours = theirs = torch.ones(9, 9, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+        ours[0, :, 4:, :2] = False
+    dout = draw((2, 9, 4, 8), 5)
+    got, _ = hf.attention_forward(module, q, k, v, ours, position_bias=position_bias)
+    want, _ = sdpa_attention_forward(module, q, k, v, theirs, position_bias=position_bias)
+    for a, w in zip((got, *torch.autograd.grad(got, xs, dout)), (want, *torch.autograd.grad(want, xs, dout))):
+        assert_close(a, w)
+
+
+def test_a_position_bias_with_padding_raises():
+    q = draw((3, 2, 9, 8), 1)
+    mask = hf.attention_mask(3, 9, 9, attention_mask=padding([9, 4, 6], 9, "left"))
+    with pytest.raises(NotImplementedError, match="position_bias to the scores of a padded batch"):
+        hf.attention_forward(Module(), q, q, q, mask, position_bias=torch.zeros(1, 2, 9, 9, dtype=torch.float64))
+
+
+def test_an_alibi_tensor_raises():
     q = draw((1, 2, 4, 8), 1)
-    with pytest.raises(NotImplementedError, match="position_bias"):
-        hf.attention_forward(Module(), q, q, q, None, position_bias=torch.zeros(1, 2, 4, 4))
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        hf.attention_forward(Module(), q, q, q, None, alibi=torch.zeros(2, 1, 4))
 
 
 # On a GPU: bfloat16 against transformers' own attention in bfloat16, both measured against a
