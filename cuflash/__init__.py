@@ -9,11 +9,12 @@ functions may call (docs/contract.md).
 
 from . import naive, reference
 from ._api import attention, attention_backward, attention_kvcache, attention_vjp, merge_attention
+from ._block_mask import block_mask
 from ._checks import require_gpu
 from ._trace import abs, exp, floor, log, maximum, minimum, sqrt, tanh, where  # noqa: A004 - as NumPy's
 
 __version__ = "0.1.0"
 __all__ = [
-    "attention", "attention_backward", "attention_kvcache", "attention_vjp", "merge_attention", "require_gpu", "naive", "reference", "__version__",
+    "attention", "attention_backward", "attention_kvcache", "attention_vjp", "block_mask", "merge_attention", "require_gpu", "naive", "reference", "__version__",
     "abs", "exp", "floor", "log", "maximum", "minimum", "sqrt", "tanh", "where",
 ]

@@ -201,6 +201,22 @@ def check_modifiers(batch_shape, nq: int, nk: int, dtype_name: str | None, *, so
     return Modifiers(softcap, bias, alibi_slopes, sinks, dropout_p, seed)
 
 
+def check_block_mask(batch_shape, nq, nk, block) -> tuple[tuple, int, int, tuple[int, int]]:
+    """block_mask's sizes as ints (batch_shape, nq, nk, block), or ValueError naming the one
+    that is not a non-negative int (block: two positive ones)."""
+    batch_shape = tuple(batch_shape)
+    named = [(f"batch_shape[{i}]", n) for i, n in enumerate(batch_shape)] + [("nq", nq), ("nk", nk)]
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise ValueError(f"block must be two positive ints (rows, keys), got {block!r}")
+    named += [("block[0]", block[0]), ("block[1]", block[1])]
+    for name, n in named:
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (numbers.Integral, np.integer)) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    if block[0] < 1 or block[1] < 1:
+        raise ValueError(f"block must be two positive ints (rows, keys), got {block!r}")
+    return tuple(int(n) for n in batch_shape), int(nq), int(nk), (int(block[0]), int(block[1]))
+
+
 def check_head_dim(name: str, axis: str, n: int) -> None:
     if n > MAX_HEAD_DIM:
         raise ValueError(f"{name} has {axis} {n}; cuflash supports head dims up to {MAX_HEAD_DIM}")

@@ -238,6 +238,28 @@ def score_mod_source(traced: Traced, name: str = "cuflash_score_mod") -> Source:
 
 
 def mask_mod_source(traced: Traced, name: str = "cuflash_mask_mod") -> Source:
-    """``name``: the mask function, true where the key may be attended."""
+    """``name``: the mask function, true where the key may be attended; ``name_at``: the same
+    with the batch indices as an array, ``name_at(batch, q_idx, kv_idx, arrays)``, for code that
+    does not know how many there are (kernels/user/block_mask.cuh)."""
     assert traced.role == "mask_mod"
-    return Source(_function("bool", name, _params(traced, score=False), traced.result, traced), (name,))
+    batch = ", ".join(f"batch[{i}]" for i in range(traced.batch_dims))
+    indexed = (f"CUFLASH_MOD_FN bool {name}_at(const long long* batch, long long q_idx, long long kv_idx, "
+               f"const cuflash_array* arrays) {{\n    (void)batch;\n"
+               f"    return {name}({batch + ', ' if batch else ''}q_idx, kv_idx, arrays);\n}}\n")
+    text = _function("bool", name, _params(traced, score=False), traced.result, traced) + indexed
+    return Source(text, (name, f"{name}_at"))
+
+
+# `PREAMBLE`'s cuflash_array as NumPy lays it out, for the descriptors a kernel reads
+DESCRIPTOR = np.dtype([("ptr", "<u8"), ("shape", "<i8", (MAX_DIMS,)), ("stride", "<i8", (MAX_DIMS,))])
+
+
+def descriptors(arrays) -> np.ndarray:
+    """The descriptors of captured arrays (CuPy or NumPy: a data pointer, shape and strides in
+    elements), one per slot; one zeroed where there are none (a kernel takes a valid pointer)."""
+    out = np.zeros(max(len(arrays), 1), dtype=DESCRIPTOR)
+    for i, a in enumerate(arrays):
+        out["ptr"][i] = a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+        out["shape"][i, :a.ndim] = a.shape
+        out["stride"][i, :a.ndim] = [st // a.itemsize for st in a.strides]
+    return out

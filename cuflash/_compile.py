@@ -161,3 +161,26 @@ def get_function(name_expression: str, smem_bytes: int):
             _smem_limits[key] = smem_bytes
         _functions[key] = fn
     return fn
+
+
+_user_functions: dict[tuple[int, str, str], object] = {}
+
+
+def get_user_function(name: str, header: str, source):
+    """Kernel ``name`` (extern "C") of the kernel header ``header`` (under kernels/) after the
+    generated functions ``source`` (_codegen.Source, behind _codegen.PREAMBLE), on the current
+    device: compiled once per source and header, and cached on disk by CuPy like every kernel."""
+    import cupy
+
+    from . import _codegen
+
+    key = (cupy.cuda.runtime.getDevice(), header, source.key)
+    fn = _user_functions.get(key)
+    if fn is None:
+        with _lock:
+            fn = _user_functions.get(key)
+            if fn is None:
+                code = _codegen.PREAMBLE + source.text + (kernel_dir() / header).read_text()
+                module = cupy.RawModule(code=code, options=_module_options(current_arch()))
+                fn = _user_functions[key] = module.get_function(name)
+    return fn

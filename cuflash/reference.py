@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._checks import (
-    check_backward_arrays, check_dropout, check_dropout_p, check_flag, check_modifiers, check_num_splits,
+    check_backward_arrays, check_block_mask, check_dropout, check_dropout_p, check_flag, check_modifiers, check_num_splits,
     check_per_entry, check_scale, check_shapes, check_softcap, host_cache_seqlens, kvcache_lengths, kvcache_shapes,
     merge_parts, packed_sequences, sum_to_shape,
 )
@@ -879,13 +879,7 @@ def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128)) -> BlockMask:
     """The `BlockMask` of ``mask_mod`` (as for `attention`: ``mask_mod(*batch_indices, q_idx,
     kv_idx)``, rows and keys at positions ``0 .. Nq - 1`` and ``0 .. Nk - 1``) over tiles of
     ``block = (rows, keys)``, evaluated on the host one row of tiles at a time."""
-    batch_shape = tuple(int(n) for n in batch_shape)
-    for name, n in (("nq", nq), ("nk", nk), ("block[0]", block[0]), ("block[1]", block[1])):
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (numbers.Integral, np.integer)) or n < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    bm, bn = int(block[0]), int(block[1])
-    if bm < 1 or bn < 1:
-        raise ValueError(f"block must be two positive ints, got {block!r}")
+    batch_shape, nq, nk, (bm, bn) = check_block_mask(batch_shape, nq, nk, block)
     fn = HostFunction(mask_mod, "mask_mod", len(batch_shape))
     rows_of_tiles, cols = -(-nq // bm), -(-nk // bn)
     kinds = np.zeros(batch_shape + (rows_of_tiles, cols), dtype=np.int8)

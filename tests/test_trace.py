@@ -15,6 +15,8 @@ import subprocess
 import sys
 import textwrap
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -417,6 +419,54 @@ def test_generated_cpp_equals_numpy_in_float32(tmp_path_factory, trees, mask_tre
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
 
 
+BLOCK_MASK_RUNNER = """
+extern "C" void run_tiles(const cf_tiling* s, const cuflash_array* arrays, signed char* kinds, long long tiles,
+                          long long threads) {
+    for (long long t = 0; t < tiles; ++t) {   // `threads` parts of each tile, as the kernel's threads take them
+        bool some = false, all = true;
+        for (long long first = 0; first < threads; ++first) {
+            bool part_some, part_all;
+            cf_tile_part(*s, t, first, threads, arrays, &part_some, &part_all);
+            some = some || part_some;
+            all = all && part_all;
+        }
+        kinds[t] = cf_tile_kind(some, all);
+    }
+}
+"""
+
+
+def block_mask_header() -> str:
+    return (Path(cuflash.__file__).resolve().parent.parent / "kernels" / "user" / "block_mask.cuh").read_text()
+
+
+@requires_cxx
+@settings(max_examples=6, **FAST)
+@given(bools(2, score=False), st.lists(st.tuples(st.integers(0, 13), st.integers(0, 13), st.integers(1, 6),
+                                                 st.integers(1, 6), st.integers(1, 5)), min_size=4, max_size=4))
+def test_block_mask_header_classifies_tiles_as_the_reference(tmp_path_factory, mask_tree, cases):
+    """kernels/user/block_mask.cuh on the host compiler, each tile split among 1 to 5 "threads"
+    as the kernel splits it: the kinds of cuflash.reference.block_mask, ragged tiles and empty
+    sequences included."""
+    from cuflash import reference
+
+    mask_fn = make_function(mask_tree, TABLE, IDS, FLAGS, role="mask_mod")
+    traced = _trace.trace(mask_fn, "mask_mod", len(BATCH))
+    lib = host_library(tmp_path_factory.mktemp("tiles"), _codegen.mask_mod_source(traced).text + block_mask_header(),
+                       BLOCK_MASK_RUNNER)
+    arrays = _trace.captured_arrays(mask_fn, traced)
+    for nq, nk, rows, keys, threads in cases:
+        want = reference.block_mask(mask_fn, BATCH, nq, nk, block=(rows, keys)).kinds
+        tiling = np.zeros(_trace.MAX_DIMS + 7, dtype=np.int64)
+        tiling[:len(BATCH)] = BATCH
+        tiling[_trace.MAX_DIMS:] = (len(BATCH), nq, nk, rows, keys) + want.shape[-2:]
+        got = np.full(want.shape, -1, dtype=np.int8)
+        descriptors = _codegen.descriptors(arrays)
+        lib.run_tiles(ctypes.c_void_p(tiling.ctypes.data), ctypes.c_void_p(descriptors.ctypes.data),
+                      ctypes.c_void_p(got.ctypes.data), ctypes.c_longlong(got.size), ctypes.c_longlong(threads))
+        np.testing.assert_array_equal(got, want, err_msg=f"nq {nq}, nk {nk}, block ({rows}, {keys})")
+
+
 def every_dtype_function():
     """A score function that reads one captured array of each supported dtype (bfloat16 with
     ml_dtypes), transposed views and a 0-dim array among them."""
@@ -462,7 +512,7 @@ from cupy_backends.cuda.libs import nvrtc
 source = sys.stdin.read()
 prog = nvrtc.createProgram(source, "user_mods.cu", [], [])
 try:
-    nvrtc.compileProgram(prog, ["--gpu-architecture=sm_80", "-std=c++17"])
+    nvrtc.compileProgram(prog, [f"--gpu-architecture={sys.argv[1] if len(sys.argv) > 1 else 'sm_80'}", "-std=c++17"])
 finally:
     print(nvrtc.getProgramLog(prog))
 """
@@ -506,4 +556,18 @@ extern "C" __global__ void use(float* out, const cuflash_array* arrays, const cu
 }
 """
     result = subprocess.run([python, "-c", NVRTC_SCRIPT], input=source, capture_output=True, text=True)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_block_mask_kernel_compiles_with_nvrtc(arch):
+    """cuflash.block_mask's kernel after a mask function that reads a captured array, for both
+    targets, without a warning."""
+    python = nvrtc_python()
+    if python is None:
+        pytest.skip("cupy_backends.cuda.libs.nvrtc is not importable here (nor in /tmp/ckvenv)")
+    doc = np.zeros((2, 8), dtype=np.int32)
+    mask = _trace.trace(lambda b, h, q, k: (doc[b, q] == doc[b, k]) & (q >= k), "mask_mod", 2)
+    source = _codegen.PREAMBLE + _codegen.mask_mod_source(mask).text + block_mask_header()
+    result = subprocess.run([python, "-c", NVRTC_SCRIPT, arch], input=source, capture_output=True, text=True)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout + result.stderr
