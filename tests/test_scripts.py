@@ -26,6 +26,7 @@ SCRIPTS = [
     ("bench/model_shapes.py", ["--out", "{tmp}"]),
     ("bench/decode.py", ["--out", "{tmp}"]),
     ("bench/modifiers.py", ["--out", "{tmp}"]),
+    ("bench/block_mask.py", ["--out", "{tmp}"]),
     ("bench/end_to_end.py", ["--out", "{tmp}"]),
     ("bench/ring_attention.py", ["--out", "{tmp}"]),
     ("bench/float32_accuracy.py", []),
