@@ -9,7 +9,7 @@
 # the float32 accuracy table, the training example and the host time per call. STEPs pick and
 # order them by name (cli warm_cache pytest long_sequence sanitize float32_accuracy
 # train_example host_overhead) and add the benchmarks: grid (bench/bench_attention.py),
-# model_shapes, decode, modifiers, end_to_end (each into OUTDIR/NAME/; MODIFIERS_ARGS and
+# model_shapes, decode, block_mask, modifiers, end_to_end (each into OUTDIR/NAME/; MODIFIERS_ARGS and
 # END_TO_END_ARGS, such as "--quick", passed on to bench/modifiers.py and bench/end_to_end.py).
 # A run of record on a device call's time:
 #
@@ -58,6 +58,7 @@ run_host_overhead() { "$python" bench/host_overhead.py; }
 run_grid() { "$python" bench/bench_attention.py --out "$out/grid"; }
 run_model_shapes() { "$python" bench/model_shapes.py --out "$out/model_shapes"; }
 run_decode() { "$python" bench/decode.py --out "$out/decode"; }
+run_block_mask() { "$python" bench/block_mask.py --out "$out/block_mask"; }
 # shellcheck disable=SC2086  # MODIFIERS_ARGS: words on purpose
 run_modifiers() { "$python" bench/modifiers.py --out "$out/modifiers" ${MODIFIERS_ARGS:-}; }
 # shellcheck disable=SC2086  # END_TO_END_ARGS: words on purpose
