@@ -56,8 +56,7 @@ def _cupy_stream(cupy, stream):
 
 def _torch_malloc(cupy, device, size):
     """CuPy memory from torch's caching allocator on torch's current stream, owned by a torch
-    tensor: the outputs are torch's, and under CUDA graph capture they come from the graph's
-    private pool (CuPy's own pool may not allocate while a stream captures)."""
+    tensor (under CUDA graph capture: the graph's private pool)."""
     block = torch.empty(size, dtype=torch.uint8, device=device)
     return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), size, block, device.index), 0)
 
@@ -65,9 +64,14 @@ def _torch_malloc(cupy, device, size):
 @contextlib.contextmanager
 def _on_torch(cupy, device):
     # torch's current stream, so that the kernels are ordered with torch's work and nobody waits
-    with _cupy_stream(cupy, torch.cuda.current_stream(device)), \
-            cupy.cuda.using_allocator(functools.partial(_torch_malloc, cupy, device)):
-        yield
+    with _cupy_stream(cupy, torch.cuda.current_stream(device)):
+        if torch.cuda.is_current_stream_capturing():
+            # CuPy's pool may not allocate while a stream captures, and what it handed out would
+            # go back to it while the graph still writes there: torch's graph pool keeps it
+            with cupy.cuda.using_allocator(functools.partial(_torch_malloc, cupy, device)):
+                yield
+        else:   # CuPy's pool: outputs go back to it when their tensors die
+            yield
 
 
 def _backend(device):
