@@ -15,15 +15,13 @@ import subprocess
 import sys
 import textwrap
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _codegen, _expr, _trace
+from cuflash import _codegen, _compile, _expr, _trace
 
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 BATCH, NQ, NK = (2, 3), 5, 6
@@ -437,7 +435,7 @@ extern "C" void run_tiles(const cf_tiling* s, const cuflash_array* arrays, signe
 
 
 def block_mask_header() -> str:
-    return (Path(cuflash.__file__).resolve().parent.parent / "kernels" / "user" / "block_mask.cuh").read_text()
+    return (_compile.kernel_dir() / "user" / "block_mask.cuh").read_text()
 
 
 @requires_cxx
