@@ -259,7 +259,7 @@ def descriptors(arrays) -> np.ndarray:
     elements), one per slot; one zeroed where there are none (a kernel takes a valid pointer)."""
     out = np.zeros(max(len(arrays), 1), dtype=DESCRIPTOR)
     for i, a in enumerate(arrays):
-        out["ptr"][i] = a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+        out["ptr"][i] = a.data.ptr if type(a).__module__.split(".")[0] == "cupy" else a.ctypes.data
         out["shape"][i, :a.ndim] = a.shape
         out["stride"][i, :a.ndim] = [st // a.itemsize for st in a.strides]
     return out

@@ -319,20 +319,6 @@ CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++") or shuti
 requires_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++, c++ or clang++) on PATH")
 
 
-class CufArray(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p), ("shape", ctypes.c_longlong * _trace.MAX_DIMS),
-                ("stride", ctypes.c_longlong * _trace.MAX_DIMS)]
-
-
-def descriptors(arrays):
-    out = (CufArray * max(len(arrays), 1))()
-    for d, a in zip(out, arrays):
-        d.ptr = a.ctypes.data
-        d.shape[:a.ndim] = a.shape
-        d.stride[:a.ndim] = [s // a.itemsize for s in a.strides]
-    return out
-
-
 def host_library(tmp_path, source, runners):
     """Compiles `PREAMBLE`, ``source`` and ``runners`` into a shared library."""
     path = tmp_path / "mods.cpp"
@@ -365,7 +351,8 @@ def run_host(lib, name, score, grids, arrays, dtype=np.float32):
     offsets = np.zeros(score.size, dtype=np.int64)
     s32 = np.ascontiguousarray(score, dtype=np.float32).ravel()
     pointers = (ctypes.c_void_p(a.ctypes.data) for a in (s32, idx))
-    getattr(lib, f"run_{name}")(ctypes.c_longlong(score.size), *pointers, descriptors(arrays),
+    descriptors = _codegen.descriptors(arrays)   # (kept alive through the call)
+    getattr(lib, f"run_{name}")(ctypes.c_longlong(score.size), *pointers, ctypes.c_void_p(descriptors.ctypes.data),
                                 ctypes.c_void_p(out.ctypes.data), ctypes.c_void_p(offsets.ctypes.data))
     return out.reshape(shape), offsets.reshape(shape)
 
@@ -460,7 +447,7 @@ def test_block_mask_header_classifies_tiles_as_the_reference(tmp_path_factory, m
         tiling[:len(BATCH)] = BATCH
         tiling[_trace.MAX_DIMS:] = (len(BATCH), nq, nk, rows, keys) + want.shape[-2:]
         got = np.full(want.shape, -1, dtype=np.int8)
-        descriptors = _codegen.descriptors(arrays)
+        descriptors = _codegen.descriptors(arrays)   # (kept alive through the call)
         lib.run_tiles(ctypes.c_void_p(tiling.ctypes.data), ctypes.c_void_p(descriptors.ctypes.data),
                       ctypes.c_void_p(got.ctypes.data), ctypes.c_longlong(got.size), ctypes.c_longlong(threads))
         np.testing.assert_array_equal(got, want, err_msg=f"nq {nq}, nk {nk}, block ({rows}, {keys})")
