@@ -62,35 +62,32 @@ def _array_key(a):
         getattr(getattr(a, "device", None), "id", None),)
 
 
-def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int, scale: float) -> ScoreMods:
+def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int, scale: float, bias=None) -> ScoreMods:
     """Checks softcap, slopes and sinks against the call's broadcast batch dims (those of
-    attention_kvcache too) and scale; raises naming the argument. The kernels keep additive
-    terms in raw score units (1 / scale of the scaled ones), so they take slopes with a scale
-    other than 0 (cuflash.reference takes 0)."""
+    attention_kvcache too), and that they and a bias are CuPy arrays on q's device; raises
+    naming the argument. The kernels keep additive terms (ALiBi's, the bias) in raw score units
+    (1 / scale of the scaled ones), so they take them with a scale other than 0
+    (cuflash.reference takes 0)."""
     cap = _checks.check_softcap(softcap)
-    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks), ("bias", bias)):
         if x is not None:
             _checks.check_cupy(cupy, **{name: x})
-            _checks.check_per_entry(name, x, batch_shape)
+            if name != "bias":   # (the bias's shape: check_modifiers)
+                _checks.check_per_entry(name, x, batch_shape)
             _same_device(name, x, device)
-    if alibi_slopes is not None and scale == 0:
-        raise NotImplementedError("cuflash's kernels take alibi_slopes with a scale other than 0, got scale=0 "
-                                  "(cuflash.reference takes it)")
+    for name, x in (("alibi_slopes", alibi_slopes), ("bias", bias)):
+        if x is not None and scale == 0:
+            raise NotImplementedError(f"cuflash's kernels take {name} with a scale other than 0, got scale=0 "
+                                      "(cuflash.reference takes it)")
     return ScoreMods(cap, alibi_slopes is not None, sinks is not None)
 
 
 def check_all(cupy, x, softcap, alibi_slopes, sinks, bias, dropout_p) -> ScoreMods:
-    """`check`, and the bias and dropout_p of attention's inputs ``x`` (_checks.AttnInputs):
-    the bias without its layout (`bias_layout`), which like ALiBi needs a scale other than 0."""
-    mods = check(cupy, softcap, alibi_slopes, sinks, x.batch_shape, x.q.device.id, x.scale)
-    if bias is not None:
-        _checks.check_cupy(cupy, bias=bias)
-        _same_device("bias", bias, x.q.device.id)
+    """`check`, and the bias's shape and dropout_p, for attention's inputs ``x``
+    (_checks.AttnInputs): the bias without its layout (`bias_layout`)."""
+    mods = check(cupy, softcap, alibi_slopes, sinks, x.batch_shape, x.q.device.id, x.scale, bias)
     checked = _checks.check_modifiers(x.batch_shape, x.nq, x.nk, x.dtype_name, bias=bias, dropout_p=dropout_p,
                                       seed=0, packed=x.packed is not None)
-    if x.scale == 0 and bias is not None:
-        raise NotImplementedError("cuflash's kernels take a bias with a scale other than 0, got scale=0 "
-                                  "(cuflash.reference takes it)")
     return dataclasses.replace(mods, dropout_p=checked.dropout_p)
 
 
