@@ -1,7 +1,7 @@
 """Host time per call: how long cuflash's Python side takes to launch a forward and a
 backward, against torch SDPA's, and where cuflash's time goes.
 
-    python bench/host_overhead.py [--calls 2000] [--profile]
+    python bench/host_overhead.py [--calls 2000] [--profile] [--adapter]
 
 A call whose kernels finish sooner than the host can issue the next call is timed by
 the benchmark (bench_attention.py, one synchronized call per sample) as host time plus
@@ -9,7 +9,9 @@ kernel time. This prints, per provider: microseconds of host time per call on sm
 inputs, timed in batches of 100 calls with the GPU synchronized between them, and for the
 benchmark's D = 128, N = 2048 forward, the synchronized per-call median next to the
 back-to-back per-call time (kernels queued ahead, host time hidden). --profile adds a
-cProfile listing of cuflash's calls.
+cProfile listing of cuflash's calls. --adapter (with torch) adds cuflash.torch.attention's
+forward and backward on the same memory, what each step of its way to the kernels costs
+(the DLPack exchanges both ways, torch's current stream), and with --profile its listing.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--adapter", action="store_true", help="also cuflash.torch's calls and their parts")
     args = ap.parse_args()
     rng = cupy.random.default_rng(0)
 
@@ -90,14 +93,49 @@ def main():
           f"queued {queued * 1e3:6.1f} us ({flops / queued / 1e9:5.1f} TFLOP/s)")
 
     if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            fwd()
-            bwd()
-        prof.disable()
-        cupy.cuda.Device().synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        profile(lambda: (fwd(), bwd()), args.calls)
+    if args.adapter:
+        adapter(q, k, v, do, args)
+
+
+def profile(fn, calls):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    cupy.cuda.Device().synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+def adapter(q, k, v, do, args):
+    """cuflash.torch.attention on q, k, v as torch tensors: its host time per call, forward and
+    backward, and the parts of its way to the kernels, each alone."""
+    import torch
+
+    import cuflash.torch
+
+    tq, tk, tv = (torch.from_dlpack(x).requires_grad_() for x in (q, k, v))
+    tdo = torch.from_dlpack(do)
+    tout = cuflash.torch.attention(tq, tk, tv, causal=True)
+    stream = torch.cuda.current_stream()
+    on_torch = cuflash.torch._on_torch(cupy, tq.device)   # noqa: SLF001  (the adapter's own context)
+    with on_torch:
+        parts = {
+            "cuflash.torch.attention forward": lambda: cuflash.torch.attention(tq, tk, tv, causal=True),
+            "cuflash.torch.attention backward": lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo,
+                                                                            retain_graph=True),
+            "cupy.from_dlpack(tensor)": lambda: cupy.from_dlpack(tq.detach()),
+            "torch.from_dlpack(cupy array)": lambda: torch.from_dlpack(q),
+            "torch.cuda.current_stream()": torch.cuda.current_stream,
+            "CuPy's wrapper of torch's stream": lambda: cuflash.torch._cupy_stream(cupy, stream),   # noqa: SLF001
+            "tensor.detach()": tq.detach,
+        }
+        for name, fn in parts.items():
+            print(f"{name:40s} host {host_us(fn, args.calls):7.1f} us/call")
+    if args.profile:
+        profile(lambda: torch.autograd.grad(cuflash.torch.attention(tq, tk, tv, causal=True), (tq, tk, tv), tdo),
+                args.calls)
 
 
 if __name__ == "__main__":

@@ -47,11 +47,19 @@ class _StreamHandle:
         return (0, self.stream.cuda_stream)
 
 
+_CUPY_STREAMS = {}   # (cudaStream_t, device index) -> its CuPy stream
+
+
 def _cupy_stream(cupy, stream):
-    """The same cudaStream_t as a CuPy stream: nothing created, nothing synchronised."""
-    if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14 (ExternalStream is deprecated there)
-        return cupy.cuda.Stream.from_external(_StreamHandle(stream))
-    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+    """The same cudaStream_t as a CuPy stream: nothing created on the GPU, nothing synchronised;
+    one wrapper per stream, made at its first call (torch's streams live as long as the process)."""
+    key = (stream.cuda_stream, stream.device.index)
+    if key not in _CUPY_STREAMS:
+        if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14 (ExternalStream is deprecated there)
+            _CUPY_STREAMS[key] = cupy.cuda.Stream.from_external(_StreamHandle(stream))
+        else:
+            _CUPY_STREAMS[key] = cupy.cuda.ExternalStream(*key)
+    return _CUPY_STREAMS[key]
 
 
 def _torch_malloc(cupy, device, size):
@@ -152,13 +160,12 @@ def _empty(like, shape, dtype=None):
     return like.new_empty(shape, dtype=like.dtype if dtype is None else dtype)
 
 
-@torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
-def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                   max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
-                   window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
-                   softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                   bias: Optional[Tensor], dropout_p: float, seed: Optional[Tensor], groups: int, check: bool,
-                   deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+             max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
+             window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
+             softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+             bias: Optional[Tensor], dropout_p: float, seed: Optional[Tensor], groups: int, check: bool,
+             deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
     # deterministic is the backward's, kept here because the autograd formula sees only these inputs;
     # seed: a CPU int64 tensor (its value, mod 2**64, read here with no synchronisation), None without dropout
     packed = cu_seqlens_q is not None
@@ -173,6 +180,9 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tenso
     return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
 
 
+_attention_fwd = torch.library.custom_op("cuflash::attention_fwd", mutates_args=())(_forward)
+
+
 @_attention_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
       softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic):
@@ -184,14 +194,13 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, w
     return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
 
 
-@torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
-def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                   max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
-                   window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
-                   softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                   bias: Optional[Tensor], bias_grad: bool, dropout_p: float, seed: Optional[Tensor], groups: int,
-                   check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                      max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
+                      window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
+                      softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                      bias: Optional[Tensor], bias_grad: bool, dropout_p: float, seed: Optional[Tensor], groups: int,
+                      check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dbias (empty without bias_grad) and dsinks (empty without sinks): an op's outputs
     cannot be None."""
     packed = cu_seqlens_q is not None
@@ -214,6 +223,9 @@ def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         dsinks = tensor(grads.pop(0)).to(torch.float32).reshape(sinks.shape) if sinks is not None else None
     return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
             _caller_rows(dv, packed, groups, grouped=False), _or_empty(dbias, q), _or_empty(dsinks, q))
+
+
+_attention_bwd = torch.library.custom_op("cuflash::attention_bwd", mutates_args=())(_backward_kernels)
 
 
 def _wants_dbias(bias, bias_grad):
@@ -253,13 +265,15 @@ def _setup_context(ctx, inputs, output):
     ctx.args = {name: args[name] for name in _FWD_INPUTS[3:] if name not in _SAVED}
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, backward_kernels=_attention_bwd):
+    """The gradients of _FWD_INPUTS (the op's autograd formula; in eager mode _Attention's, which
+    calls the op's function itself)."""
     q, k, v, out, lse, *saved = ctx.saved_tensors
     args = {**ctx.args, **dict(zip(_SAVED, saved))}
     # dbias only where the bias requires grad (as SDPA's float attn_mask): it costs O(Nq * Nk)
     args["bias_grad"] = ctx.needs_input_grad[_FWD_INPUTS.index("bias")]
-    dq, dk, dv, dbias, dsinks = _attention_bwd(dout.contiguous(), q, k, v, out, lse,
-                                               *(args[name] for name in _BWD_ARGS))
+    dq, dk, dv, dbias, dsinks = backward_kernels(dout.contiguous(), q, k, v, out, lse,
+                                                 *(args[name] for name in _BWD_ARGS))
     grads = dict(q=dq, k=dk, v=dv, bias=dbias if _wants_dbias(args["bias"], args["bias_grad"]) else None,
                  sinks=None if args["sinks"] is None else dsinks)
     return tuple(grads.get(name) for name in _FWD_INPUTS)
@@ -270,6 +284,30 @@ _BWD_ARGS = (*_FWD_INPUTS[3:15], "bias_grad", *_FWD_INPUTS[15:])
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The op's autograd in eager mode, around the op's own functions: the dispatcher's Python
+    round trip for a custom op with an autograd formula costs about 100 us a call, this about 4.
+    torch.compile and fake tensors take the op (_eager_or)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, backward_kernels=_backward_kernels)
+
+
+def _eager_or(op, function, tensor):
+    """`function`, the work of `op` (a custom op) without the dispatcher, in eager mode on real
+    tensors (`tensor` one of the call's); else `op`: torch.compile and fake or meta tensors see it
+    through its fake kernel."""
+    real = type(tensor) is Tensor and tensor.device.type in ("cuda", "cpu")
+    return function if real and not torch.compiler.is_compiling() else op
 
 
 def _sides(window):
@@ -329,8 +367,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     dropout_p, seed = _seed(dropout_p, seed)
     q, k, v, bias = _autocast(q, k, v, bias)
     left, right = _sides(window)
-    out, lse = _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right,
-                              scale, softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
+    forward = _eager_or(_attention_fwd, _Attention.apply, q)
+    out, lse = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right, scale,
+                       softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -395,10 +434,12 @@ def _call(fn_name, device, *args, **kwargs):
         return tuple(map(tensor, result))
 
 
-@torch.library.custom_op("cuflash::merge_attention", mutates_args=())
-def _merge(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+def _merge_parts(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
     out, lse = _call("merge_attention", outs[0].device, outs, lses)
     return out.to(outs[0].dtype), lse.to(torch.float32)
+
+
+_merge = torch.library.custom_op("cuflash::merge_attention", mutates_args=())(_merge_parts)
 
 
 @_merge.register_fake
@@ -413,15 +454,14 @@ def merge_attention(outs, lses):
     outs, lses = (list(x.unbind(0) if isinstance(x, Tensor) else x) for x in (outs, lses))
     if not outs:
         raise ValueError("merge_attention needs at least one part")
-    return _merge(outs, lses)
+    return _eager_or(_merge, _merge_parts, outs[0])(outs, lses)
 
 
-@torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))
-def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor], v_new: Optional[Tensor],
-             cache_seqlens: Optional[Tensor], cache_length: Optional[int], block_table: Optional[Tensor], causal: bool,
-             window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
-             num_splits: Optional[int], check: bool, softcap: Optional[float], alibi_slopes: Optional[Tensor],
-             sinks: Optional[Tensor], groups: int) -> tuple[Tensor, Tensor]:
+def _kvcache_kernels(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor], v_new: Optional[Tensor],
+                     cache_seqlens: Optional[Tensor], cache_length: Optional[int], block_table: Optional[Tensor],
+                     causal: bool, window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
+                     num_splits: Optional[int], check: bool, softcap: Optional[float], alibi_slopes: Optional[Tensor],
+                     sinks: Optional[Tensor], groups: int) -> tuple[Tensor, Tensor]:
     # k_new and v_new are written into the caches (declared mutated, as torch.compile must know)
     q_, k_, v_ = _kernel_qkv(q, k_cache, v_cache, False, groups)
     new = [x if x is None or groups == 1 else x.unsqueeze(-3) for x in (k_new, v_new)]
@@ -432,6 +472,18 @@ def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor
                      softcap=softcap, alibi_slopes=_kernel_per_head(alibi_slopes, groups),
                      sinks=_kernel_per_head(sinks, groups))
     return _caller_rows(out.to(q.dtype), False, groups), _caller_lse(lse.to(torch.float32), groups)
+
+
+_kvcache = torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))(_kvcache_kernels)
+
+
+def _kvcache_eager(q, k_cache, v_cache, k_new, *args):
+    """_kvcache's work without the dispatcher, and its bookkeeping: the caches' version counters
+    count the write, so that autograd refuses a backward through a cache read before it."""
+    result = _kvcache_kernels(q, k_cache, v_cache, k_new, *args)
+    if k_new is not None:
+        torch.autograd.graph.increment_version([x for x in (k_cache, v_cache) if not x.is_inference()])
+    return result
 
 
 @_kvcache.register_fake
@@ -451,13 +503,14 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     (B, Hkv, Nmax, D / Dv) or paged (P, Hkv, page_size, D / Dv), k_new, v_new (B, Hkv, Nnew, D / Dv),
     written into the caches in place. ``cache_seqlens`` an int or an int tensor (B,);
     ``enable_gqa``, ``alibi_slopes`` and ``sinks`` as in ``attention``. The custom op
-    ``cuflash::attention_kvcache``, with no autograd formula."""
+    ``cuflash::attention_kvcache`` (under torch.compile), with no autograd formula."""
     groups = _groups(q, k_cache, v_cache, False, enable_gqa)
     left, right = _sides(window)
     per_sequence = isinstance(cache_seqlens, Tensor)   # an op's argument is a tensor or an int, not either
-    out, lse = _kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens if per_sequence else None,
-                        None if per_sequence else cache_seqlens, block_table, causal, left, right, scale, num_splits,
-                        check, softcap, alibi_slopes, sinks, groups)
+    kvcache = _eager_or(_kvcache, _kvcache_eager, q)
+    out, lse = kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens if per_sequence else None,
+                       None if per_sequence else cache_seqlens, block_table, causal, left, right, scale, num_splits,
+                       check, softcap, alibi_slopes, sinks, groups)
     return (out, lse) if return_lse else out
 
 

@@ -489,9 +489,12 @@ def test_cpu_kvcache_appends_and_attends_over_the_cached_keys():
     k_cache, v_cache = (make((b, hkv, nmax, d), dtype=torch.float32, seed=s) for s in (2, 3))
     k_new, v_new = (make((b, hkv, 2, d), dtype=torch.float32, seed=s) for s in (4, 5))
     lengths = torch.tensor([5, 9], dtype=torch.int32)
+    versions = k_cache._version, v_cache._version
     out, lse = ct.attention_kvcache(q, k_cache, v_cache, k_new=k_new, v_new=v_new, cache_seqlens=lengths,
                                     enable_gqa=True, return_lse=True)
     assert (out.shape, lse.shape) == ((b, hq, 1, d), (b, hq, 1))
+    # the write counts as an in-place change for autograd, as the op's declared mutation does
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
     for i, n in enumerate(lengths.tolist()):
         assert torch.equal(k_cache[i, :, n:n + 2], k_new[i]) and torch.equal(v_cache[i, :, n:n + 2], v_new[i])
         want = ct.attention(q[i:i + 1], k_cache[i:i + 1, :, :n + 2], v_cache[i:i + 1, :, :n + 2], enable_gqa=True)
