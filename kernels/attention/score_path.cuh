@@ -97,7 +97,9 @@ __device__ __forceinline__ float log2_of(float x) {
 // The parameters it reads stay in the constant bank (read at each use); it holds only the
 // row's ALiBi slope and the band's offset in registers.
 // Params: AttnParams, or the decoding kernel's DecodeParams (the same modifier fields).
-template <class T, class Scores, class Params = AttnParams>
+// BIAS: whether the kernel may see a bias (FULL, not packed: a bias never comes with packed
+// sequences, and its code beside theirs spilled).
+template <class T, class Scores, class Params = AttnParams, bool BIAS = Scores::FULL>
 struct ScorePath {
     static constexpr bool MODIFIED = Scores::MODIFIED;
     static constexpr bool FULL = Scores::FULL;
@@ -122,7 +124,7 @@ struct ScorePath {
         : ScorePath(p, band, entry) {
         if constexpr (FULL) {
             this->entry = entry;
-            bias_base = p.bias ? p.bias_offset(entry) : 0;
+            if constexpr (BIAS) bias_base = p.bias ? p.bias_offset(entry) : 0;
             q0 = w.q0;
             k0 = w.k0;
             nq = w.nq;
@@ -156,7 +158,7 @@ struct ScorePath {
     // Whether the call has a bias (FULL); then every block takes the masked softmax, since a
     // bias may hold -inf anywhere.
     __device__ __forceinline__ bool biased() const {
-        if constexpr (FULL) {
+        if constexpr (FULL && BIAS) {
             return p.bias != nullptr;
         } else {
             return false;
@@ -182,6 +184,12 @@ struct ScorePath {
         if (biased()) add_bias<KEYS_IN_ROWS>(s, row0, col0);
     }
 
+    // Whether the bias's key pairs (2t, 2t + 1) are aligned neighbours, one load each (taken
+    // per block: a register kept for it spilled packed kernels, which never see a bias)
+    __device__ __forceinline__ bool bias_pairs() const {
+        return p.bias_col_stride == 1 && ((bias_base | p.bias_row_stride) & 1) == 0 &&
+               (reinterpret_cast<size_t>(p.bias) & (p.bias_float32 ? 7 : 3)) == 0;
+    }
     // The bias of row i and key j of the sequence, in raw units; 0 past its rows and keys.
     __device__ __forceinline__ float bias_at(int i, int j) const {
         if (i >= nq || j >= nk) return 0.f;
@@ -199,12 +207,53 @@ struct ScorePath {
     }
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void add_bias(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        // keys along rows, every one of the warp's inside the sequence: a load per key pair
+        if constexpr (!KEYS_IN_ROWS) {
+            if (bias_pairs() && col0 + N_TILES * 8 <= nk) {
+                if (p.bias_float32) {
+                    add_bias_pairs<float>(s, row0, col0);
+                } else {
+                    add_bias_pairs<typename T::storage>(s, row0, col0);
+                }
+                return;
+            }
+        }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][nt][e] += Score(bias_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e));
+    }
+
+    // add_bias with the bias's elements of type E (float, or T's storage) read in pairs: row by
+    // row, the thread's keys 2t and 2t + 1 of each 8-wide tile from col0 (rows past nq take none).
+    template <class E, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void add_bias_pairs(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + mt * 16 + g + 8 * h;
+                if (row >= nq) continue;
+                const E* at = static_cast<const E*>(p.bias) + bias_base + index_t(row) * p.bias_row_stride + col0 + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt) {
+                    float b0, b1;
+                    if constexpr (sizeof(E) == 4) {
+                        const float2 pair = *reinterpret_cast<const float2*>(at + nt * 8);
+                        b0 = pair.x;
+                        b1 = pair.y;
+                    } else {
+                        const u32 pair = *reinterpret_cast<const u32*>(at + nt * 8);
+                        b0 = Load<T>::bits(u16(pair & 0xFFFFu));
+                        b1 = Load<T>::bits(u16(pair >> 16));
+                    }
+                    s[mt][nt][2 * h] += Score(b0 * p.slope_unit);
+                    s[mt][nt][2 * h + 1] += Score(b1 * p.slope_unit);
+                }
+            }
     }
 
     // Dropout's mask of the 16 x 16 tile at sequence positions row0, col0 (KEYS_IN_ROWS: keys in

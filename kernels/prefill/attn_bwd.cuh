@@ -149,7 +149,7 @@ attn_bwd_dkdv(const BwdParams p) {
 
     const Band band(p, w);
     // (a pass with ALiBi does not group: its query entries are one, each with its slope)
-    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0), w);
+    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, p.group_member(w.entry, 0), w);
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int mb_begin, mb_end;
     band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
@@ -270,7 +270,7 @@ attn_bwd_dq(const BwdParams p) {
     }
 
     const Band band(p, w);
-    const ScorePath<T, Scores> path(p, band, w.entry, w);
+    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, w.entry, w);
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);

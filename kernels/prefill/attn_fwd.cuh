@@ -98,7 +98,7 @@ attn_fwd(const AttnParams p) {
     const u32 s_v = s_k + Cfg::STAGES * KTile::BYTES;       // + stage * VTile::BYTES
 
     const Band band(p, w);
-    const ScorePath<T, Scores> path(p, band, w.entry, w);
+    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, w.entry, w);
     const int m_end = min(m0 + BLOCK_M, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
