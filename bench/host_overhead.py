@@ -108,6 +108,13 @@ def profile(fn, calls):
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
+def wrap(t):
+    """A CuPy array over a float16 tensor's memory, built from its pointer, shape and strides."""
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.untyped_storage().nbytes(), t, t.device.index)
+    return cupy.ndarray(tuple(t.shape), cupy.float16, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(st * t.element_size() for st in t.stride()))
+
+
 def adapter(q, k, v, do, args):
     """cuflash.torch.attention on q, k, v as torch tensors: its host time per call, forward and
     backward, and the parts of its way to the kernels, each alone."""
@@ -130,6 +137,9 @@ def adapter(q, k, v, do, args):
             "torch.cuda.current_stream()": torch.cuda.current_stream,
             "CuPy's wrapper of torch's stream": lambda: cuflash.torch._cupy_stream(cupy, stream),   # noqa: SLF001
             "tensor.detach()": tq.detach,
+            # the same memory exchanged without DLPack's stream handshake, for comparison
+            "cupy.ndarray over the tensor's memory": lambda: wrap(tq),
+            "torch.as_tensor(cupy array)": lambda: torch.as_tensor(q, device=tq.device),
         }
         for name, fn in parts.items():
             print(f"{name:40s} host {host_us(fn, args.calls):7.1f} us/call")

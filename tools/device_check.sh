@@ -9,8 +9,9 @@
 # the float32 accuracy table, the training example and the host time per call. STEPs pick and
 # order them by name (cli warm_cache pytest long_sequence sanitize float32_accuracy
 # train_example host_overhead) and add the benchmarks: grid (bench/bench_attention.py),
-# model_shapes, decode, block_mask, modifiers, end_to_end (each into OUTDIR/NAME/; MODIFIERS_ARGS and
-# END_TO_END_ARGS, such as "--quick", passed on to bench/modifiers.py and bench/end_to_end.py).
+# model_shapes, decode, block_mask, modifiers, end_to_end (each into OUTDIR/NAME/; MODIFIERS_ARGS,
+# END_TO_END_ARGS and HOST_OVERHEAD_ARGS, such as "--quick" or "--adapter", passed on to
+# bench/modifiers.py, bench/end_to_end.py and bench/host_overhead.py).
 # A run of record on a device call's time:
 #
 #   PACK=1 SANITIZE_TOOLS="memcheck synccheck" bash tools/device_check.sh OUT warm_cache pytest grid model_shapes sanitize
@@ -54,7 +55,8 @@ run_long_sequence() { "$python" -m pytest -q -s tests/test_backward.py -k long_s
 run_sanitize() { bash tools/sanitize.sh "$out/sanitize_logs"; }
 run_float32_accuracy() { "$python" bench/float32_accuracy.py; }
 run_train_example() { "$python" examples/train_attention.py; }
-run_host_overhead() { "$python" bench/host_overhead.py; }
+# shellcheck disable=SC2086  # HOST_OVERHEAD_ARGS: words on purpose
+run_host_overhead() { "$python" bench/host_overhead.py ${HOST_OVERHEAD_ARGS:-}; }
 run_grid() { "$python" bench/bench_attention.py --out "$out/grid"; }
 run_model_shapes() { "$python" bench/model_shapes.py --out "$out/model_shapes"; }
 run_decode() { "$python" bench/decode.py --out "$out/decode"; }
