@@ -133,33 +133,43 @@ def current_arch() -> str:
     return arch
 
 
+DEFAULT_SMEM_LIMIT = 48 * 1024   # a kernel's dynamic shared-memory limit until raised
+
+
+def _once(cache: dict, key, build):
+    """``cache[key]``, made by ``build()`` at the first call for ``key``: once, however many
+    threads ask (compiling is serialized)."""
+    fn = cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = cache.get(key)
+            if fn is None:
+                fn = cache[key] = build()
+    return fn
+
+
 def get_function(name_expression: str, smem_bytes: int):
     """The compiled kernel for a template instantiation on the current device.
 
-    Compiles on first use (serialized across threads) and raises the kernel's
-    dynamic shared-memory limit to ``smem_bytes`` where it is lower.
+    Compiles on first use and raises the kernel's dynamic shared-memory limit to ``smem_bytes``
+    where it is lower.
     """
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), name_expression)
-    fn = _functions.get(key)
-    if fn is not None and smem_bytes <= _smem_limits[key]:
-        return fn
-    with _lock:
-        fn = _functions.get(key)
-        if fn is None:
-            arch = current_arch()
-            module = cupy.RawModule(
-                code=kernel_source(),
-                options=_module_options(arch),
-                name_expressions=(name_expression,),
-            )
-            fn = module.get_function(name_expression)
-            _smem_limits[key] = 48 * 1024
-        if smem_bytes > _smem_limits[key]:
-            fn.max_dynamic_shared_size_bytes = smem_bytes
-            _smem_limits[key] = smem_bytes
-        _functions[key] = fn
+
+    def build():
+        module = cupy.RawModule(code=kernel_source(), options=_module_options(current_arch()),
+                                name_expressions=(name_expression,))
+        _smem_limits[key] = DEFAULT_SMEM_LIMIT   # a new function's own limit
+        return module.get_function(name_expression)
+
+    fn = _once(_functions, key, build)
+    if smem_bytes > _smem_limits[key]:
+        with _lock:
+            if smem_bytes > _smem_limits[key]:
+                fn.max_dynamic_shared_size_bytes = smem_bytes
+                _smem_limits[key] = smem_bytes
     return fn
 
 
@@ -174,13 +184,8 @@ def get_user_function(name: str, header: str, source):
 
     from . import _codegen
 
-    key = (cupy.cuda.runtime.getDevice(), header, source.key)
-    fn = _user_functions.get(key)
-    if fn is None:
-        with _lock:
-            fn = _user_functions.get(key)
-            if fn is None:
-                code = _codegen.PREAMBLE + source.text + (kernel_dir() / header).read_text()
-                module = cupy.RawModule(code=code, options=_module_options(current_arch()))
-                fn = _user_functions[key] = module.get_function(name)
-    return fn
+    def build():
+        code = _codegen.PREAMBLE + source.text + (kernel_dir() / header).read_text()
+        return cupy.RawModule(code=code, options=_module_options(current_arch())).get_function(name)
+
+    return _once(_user_functions, (cupy.cuda.runtime.getDevice(), header, source.key), build)

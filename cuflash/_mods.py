@@ -62,33 +62,40 @@ def _array_key(a):
         getattr(getattr(a, "device", None), "id", None),)
 
 
-def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int, scale: float, bias=None) -> ScoreMods:
-    """Checks softcap, slopes and sinks against the call's broadcast batch dims (those of
-    attention_kvcache too), and that they and a bias are CuPy arrays on q's device; raises
-    naming the argument. The kernels keep additive terms (ALiBi's, the bias) in raw score units
-    (1 / scale of the scaled ones), so they take them with a scale other than 0
-    (cuflash.reference takes 0)."""
-    cap = _checks.check_softcap(softcap)
-    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks), ("bias", bias)):
+def _check_arrays(cupy, device: int, scale: float, **arrays) -> None:
+    """That the modifiers' arrays given (None: absent) are CuPy arrays on q's device, and that
+    the additive ones (ALiBi's slopes, the bias) come with a scale other than 0: the kernels keep
+    additive terms in raw score units, 1 / scale of the scaled ones (cuflash.reference takes 0)."""
+    for name, x in arrays.items():
         if x is not None:
             _checks.check_cupy(cupy, **{name: x})
-            if name != "bias":   # (the bias's shape: check_modifiers)
-                _checks.check_per_entry(name, x, batch_shape)
             _same_device(name, x, device)
-    for name, x in (("alibi_slopes", alibi_slopes), ("bias", bias)):
-        if x is not None and scale == 0:
+    for name in ("alibi_slopes", "bias"):
+        if arrays.get(name) is not None and scale == 0:
             raise NotImplementedError(f"cuflash's kernels take {name} with a scale other than 0, got scale=0 "
                                       "(cuflash.reference takes it)")
+
+
+def check(cupy, softcap, alibi_slopes, sinks, batch_shape, device: int, scale: float) -> ScoreMods:
+    """attention_kvcache's modifiers: softcap, and slopes and sinks (`_check_arrays`) one per
+    entry of the call's broadcast batch dims; raises naming the argument."""
+    _check_arrays(cupy, device, scale, alibi_slopes=alibi_slopes, sinks=sinks)
+    cap = _checks.check_softcap(softcap)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            _checks.check_per_entry(name, x, batch_shape)
     return ScoreMods(cap, alibi_slopes is not None, sinks is not None)
 
 
 def check_all(cupy, x, softcap, alibi_slopes, sinks, bias, dropout_p) -> ScoreMods:
-    """`check`, and the bias's shape and dropout_p, for attention's inputs ``x``
-    (_checks.AttnInputs): the bias without its layout (`bias_layout`)."""
-    mods = check(cupy, softcap, alibi_slopes, sinks, x.batch_shape, x.q.device.id, x.scale, bias)
-    checked = _checks.check_modifiers(x.batch_shape, x.nq, x.nk, x.dtype_name, bias=bias, dropout_p=dropout_p,
-                                      seed=0, packed=x.packed is not None)
-    return dataclasses.replace(mods, dropout_p=checked.dropout_p)
+    """attention's modifiers for its inputs ``x`` (_checks.AttnInputs): `_check_arrays`, then
+    their values and shapes as cuflash.reference checks them (_checks.check_modifiers); the bias
+    without its layout (`bias_layout`)."""
+    _check_arrays(cupy, x.q.device.id, x.scale, alibi_slopes=alibi_slopes, sinks=sinks, bias=bias)
+    checked = _checks.check_modifiers(x.batch_shape, x.nq, x.nk, x.dtype_name, softcap=softcap, bias=bias,
+                                      alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=0,
+                                      packed=x.packed is not None)
+    return ScoreMods(checked.softcap, alibi_slopes is not None, sinks is not None, dropout_p=checked.dropout_p)
 
 
 def bias_layout(bias, batch_strides) -> BiasLayout:
