@@ -237,32 +237,17 @@ def score_mod_source(traced: Traced, name: str = "cuflash_score_mod") -> Source:
     return Source("\n".join(parts), tuple(names))
 
 
-def _unflatten(batch_dims: int) -> str:
-    """Statements giving ``b0 ... b<batch_dims - 1>``, the indices of flat batch entry ``entry``
-    (row-major) in a batch of shape ``shape``."""
-    lines = []
-    for i in reversed(range(batch_dims)):
-        rest = "entry" if i == batch_dims - 1 else f"r{i}"
-        if i == 0:
-            lines.append(f"    const long long b0 = {rest};\n")
-        else:
-            lines.append(f"    const long long b{i} = {rest} % shape[{i}], r{i - 1} = {rest} / shape[{i}];\n")
-    return "".join(lines)
-
-
 def mask_mod_source(traced: Traced, name: str = "cuflash_mask_mod") -> Source:
-    """``name``: the mask function, true where the key may be attended; ``name_entry``: the same
-    for flat batch entry ``entry`` (row-major) of a batch of shape ``shape``,
-    ``name_entry(entry, shape, q_idx, kv_idx, arrays)``, for code that holds the entry rather than
-    its indices (kernels/user/block_mask.cuh)."""
+    """``name``: the mask function, true where the key may be attended; ``name_at``: the same
+    with the batch indices as an array, ``name_at(batch, q_idx, kv_idx, arrays)``, for code that
+    does not know how many there are (kernels/user/block_mask.cuh)."""
     assert traced.role == "mask_mod"
-    batch = "".join(f"b{i}, " for i in range(traced.batch_dims))
-    entry = (f"CUFLASH_MOD_FN bool {name}_entry(long long entry, const long long* shape, long long q_idx, "
-             f"long long kv_idx, const cuflash_array* arrays) {{\n    (void)shape;\n{_unflatten(traced.batch_dims)}"
-             f"{'' if traced.batch_dims else '    (void)entry;' + chr(10)}"
-             f"    return {name}({batch}q_idx, kv_idx, arrays);\n}}\n")
-    text = _function("bool", name, _params(traced, score=False), traced.result, traced) + entry
-    return Source(text, (name, f"{name}_entry"))
+    batch = ", ".join(f"batch[{i}]" for i in range(traced.batch_dims))
+    indexed = (f"CUFLASH_MOD_FN bool {name}_at(const long long* batch, long long q_idx, long long kv_idx, "
+               f"const cuflash_array* arrays) {{\n    (void)batch;\n"
+               f"    return {name}({batch + ', ' if batch else ''}q_idx, kv_idx, arrays);\n}}\n")
+    text = _function("bool", name, _params(traced, score=False), traced.result, traced) + indexed
+    return Source(text, (name, f"{name}_at"))
 
 
 # `PREAMBLE`'s cuflash_array as NumPy lays it out, for the descriptors a kernel reads
