@@ -109,7 +109,8 @@ def forward_launches(x) -> Launches:
         fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed, scores), smem)
     else:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed, scores)
-        smem, block_m, threads, cols = tiles.smem_bytes(itemsize), tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
+        smem = tiles.smem_bytes(itemsize, staged_bias=scores == FULL and not packed)
+        block_m, threads, cols = tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
         fn = _compile.get_function(fwd_name(x.dtype_name, tiles, packed, scores), smem)
     ws = isinstance(hopper, Sm90WsFwdTiles)
     if ws:

@@ -32,10 +32,11 @@ class FwdTiles:
     block_n: int  # keys per pipeline step
     warps: int
 
-    def smem_bytes(self, itemsize: int) -> int:
-        # Q tile + two pipeline stages of K and V (tile_config.cuh: FwdConfig::SMEM_BYTES)
+    def smem_bytes(self, itemsize: int, staged_bias: bool = False) -> int:
+        # Q tile + two pipeline stages of K and V (tile_config.cuh: FwdConfig::SMEM_BYTES), and
+        # with staged_bias (FULL, not packed) a bias tile per stage (attn_fwd.cuh: STAGED_BIAS)
         rows = self.block_m * self.head_dim + 2 * self.block_n * (self.head_dim + self.dv_block)
-        return rows * itemsize
+        return (rows + (2 * self.block_m * self.block_n if staged_bias else 0)) * itemsize
 
 
 # The score paths (kernels/attention/score_path.cuh), every attention kernel's last template

@@ -46,6 +46,8 @@ def test_specializations_cover_every_dtype_and_bucket():
                 for scores in _tiles.SCORE_PATHS:
                     tiles = _tiles.fwd_tiles(dt, hd, packed, scores)
                     assert _tiles.fwd_name(dt, tiles, packed, scores) in names
+                    staged = scores == _tiles.FULL and not packed   # (attn_fwd.cuh: STAGED_BIAS)
+                    assert tiles.smem_bytes(item, staged_bias=staged) <= 227 * 1024
             assert _tiles.bwd_tiles(dt, hd).smem_bytes(item) <= 227 * 1024
 
 

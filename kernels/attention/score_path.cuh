@@ -174,6 +174,40 @@ struct ScorePath {
     // two adds and an FMA per score (skipping it too spilled the portable D 96 dq pass).
     template <bool KEYS_IN_ROWS = false, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        cap_and_alibi<KEYS_IN_ROWS>(s, row0, col0);
+        if (biased()) add_bias<KEYS_IN_ROWS>(s, row0, col0);
+    }
+    // modify() with the bias from the block's tile in shared memory (`staged_bias`): Tile's
+    // layout at s_tile, the warp's rows from tile_row0 of it, the block's keys from its first
+    template <class Tile, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void modify_staged(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, u32 s_tile,
+                                                  int tile_row0) const {
+        cap_and_alibi<false>(s, row0, col0);
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt) {
+                    const u32 at = s_tile + Tile::offset(tile_row0 + mt * 16 + g + 8 * h, nt * 8 + 2 * t);
+                    float b0, b1;
+                    if constexpr (sizeof(typename T::storage) == 4) {
+                        const float2 pair = lds_float2(at);
+                        b0 = pair.x;
+                        b1 = pair.y;
+                    } else {
+                        const u32 pair = __float_as_uint(lds_float(at));
+                        b0 = Load<T>::bits(u16(pair & 0xFFFFu));
+                        b1 = Load<T>::bits(u16(pair >> 16));
+                    }
+                    s[mt][nt][2 * h] += Score(b0 * p.slope_unit);
+                    s[mt][nt][2 * h + 1] += Score(b1 * p.slope_unit);
+                }
+    }
+    // softcap and ALiBi (MODIFIED), the steps before the bias
+    template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void cap_and_alibi(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
         if constexpr (MODIFIED) {
             if (capped()) {
                 modify_all<KEYS_IN_ROWS, true>(s, row0, col0);
@@ -181,7 +215,21 @@ struct ScorePath {
                 modify_all<KEYS_IN_ROWS, false>(s, row0, col0);
             }
         }
-        if (biased()) add_bias<KEYS_IN_ROWS>(s, row0, col0);
+    }
+
+    // Whether the bias can come through shared memory, copied with the K/V blocks (the
+    // portable forward's STAGED_BIAS): in T's storage type, its keys contiguous, and its rows on
+    // 16-byte boundaries and whole 16-byte chunks, so that no copy reads past a row's last key.
+    __device__ __forceinline__ bool staged_bias() const {
+        using Storage = typename T::storage;
+        constexpr index_t CHUNK = 16 / index_t(sizeof(Storage));
+        return biased() && bool(p.bias_float32) == (sizeof(Storage) == 4) && p.bias_col_stride == 1 &&
+               ((bias_base | p.bias_row_stride | index_t(nk)) & (CHUNK - 1)) == 0 &&
+               (reinterpret_cast<size_t>(p.bias) & 15) == 0;
+    }
+    // The bias of row `row` of the sequence, from its first key (staged_bias)
+    __device__ __forceinline__ const typename T::storage* bias_row(int row) const {
+        return static_cast<const typename T::storage*>(p.bias) + bias_base + index_t(row) * p.bias_row_stride;
     }
 
     // Whether the bias's key pairs (2t, 2t + 1) are aligned neighbours, one load each (taken

@@ -76,9 +76,15 @@ attn_fwd(const AttnParams p) {
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
     constexpr int M_TILES = Cfg::M_TILES, N_TILES = Cfg::N_TILES, D_TILES = Cfg::D_TILES;
+    // FULL and not packed: a bias may come through shared memory, a tile per K/V stage after
+    // them (ScorePath::staged_bias), its loads in the pipeline's groups rather than beside the
+    // products (_tiles.FwdTiles.smem_bytes: staged_bias)
+    constexpr bool STAGED_BIAS = Scores::FULL && !PACKED;
+    using BiasTile = SmemTile<Storage, BLOCK_M, BLOCK_N>;
+    constexpr int SMEM_BYTES = Cfg::SMEM_BYTES + (STAGED_BIAS ? Cfg::STAGES * BiasTile::BYTES : 0);
 
     extern __shared__ __align__(128) unsigned char smem[];
-    if (dynamic_smem_bytes() < u32(Cfg::SMEM_BYTES)) __trap();   // launch/config mismatch
+    if (dynamic_smem_bytes() < u32(SMEM_BYTES)) __trap();   // launch/config mismatch
 
     Work w;
     if (!p.template find_work<PACKED, false>(u32(p.num_m_blocks), true, w)) return;
@@ -96,9 +102,12 @@ attn_fwd(const AttnParams p) {
     const u32 s_q = smem_address(smem);
     const u32 s_k = s_q + QTile::BYTES;                     // + stage * KTile::BYTES
     const u32 s_v = s_k + Cfg::STAGES * KTile::BYTES;       // + stage * VTile::BYTES
+    const u32 s_b = s_v + Cfg::STAGES * VTile::BYTES;       // + stage * BiasTile::BYTES (STAGED_BIAS)
 
     const Band band(p, w);
-    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, w.entry, w);
+    const ScorePath<T, Scores, AttnParams, STAGED_BIAS> path(p, band, w.entry, w);
+    bool staged = false;   // (uniform: the call's bias and the sequence)
+    if constexpr (STAGED_BIAS) staged = path.staged_bias();
     const int m_end = min(m0 + BLOCK_M, nq);
     int n_lo, n_hi;
     band.key_range(m0, m_end, n_lo, n_hi);
@@ -113,6 +122,10 @@ attn_fwd(const AttnParams p) {
                                              p.k_row_stride, rows, d);
         load_tile_async<VTile, Cfg::THREADS>(s_v + stage * VTile::BYTES, g_v + index_t(n0) * p.v_row_stride,
                                              p.v_row_stride, rows, dv);
+        if (STAGED_BIAS && staged) {
+            load_tile_async<BiasTile, Cfg::THREADS>(s_b + stage * BiasTile::BYTES, path.bias_row(m0) + n0,
+                                                    p.bias_row_stride, nq - m0, rows);
+        }
     };
 
     float acc[M_TILES][D_TILES][4];
@@ -137,7 +150,11 @@ attn_fwd(const AttnParams p) {
         fill_zero(s);
         mma_rows_rows<T, QTile, KTile, HEAD_DIM, Cfg::QK_UNROLL>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
         const int n0 = nb * BLOCK_N;
-        path.modify(s, m0 + warp_row0, n0);
+        if (STAGED_BIAS && staged) {
+            path.template modify_staged<BiasTile>(s, m0 + warp_row0, n0, s_b + stage * BiasTile::BYTES, warp_row0);
+        } else {
+            path.modify(s, m0 + warp_row0, n0);
+        }
 
         // p = exp2((s - m) * scale_log2 - P_SHIFT), with m, l and acc brought up to date;
         // only blocks that cross the band's edge are masked
