@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import types
 
-from . import _checks, _dispatch, _launch, _plans
+from . import _checks, _dispatch, _launch, _plans, _user
 from . import _mods as _score_mods
 
 _CURRENT = contextlib.nullcontext()
@@ -44,7 +44,8 @@ _NO_LISTS = types.MappingProxyType({})
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-              softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None):
+              softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
+              score_mod=None, mask_mod=None):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` on the GPU.
 
     A fused FlashAttention kernel: q, k and v stream through on-chip memory in
@@ -116,8 +117,17 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     seed : int, optional
         ``0 <= seed < 2**64``; required when ``dropout_p > 0``. The backward takes the same.
 
-    The modifiers apply in the order scale, softcap, bias, ALiBi, mask, sinks, dropout
-    (docs/contract.md).
+    score_mod : callable, optional
+        ``score_mod(score, *batch_indices, q_idx, kv_idx)``: the score (scaled, after the
+        modifiers above) of row ``q_idx`` and key ``kv_idx`` of a batch entry, as a new score,
+        traced and compiled into the kernels once per function and signature
+        (docs/contract.md, "User-defined score and mask functions"). Forward only for now.
+    mask_mod : callable, optional
+        ``mask_mod(*batch_indices, q_idx, kv_idx)``: whether the row may see the key, with the
+        mask above. With packed sequences both see positions in the packed arrays.
+
+    The modifiers apply in the order scale, softcap, bias, ALiBi, score_mod, mask (with
+    mask_mod), sinks, dropout (docs/contract.md).
 
     Returns
     -------
@@ -134,7 +144,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     dropout_p, seed = _checks.check_dropout(dropout_p, seed)
     mods = _mods(softcap, alibi_slopes, sinks, bias, dropout_p)
-    plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed, mods)
+    user = _user.trace(score_mod, mask_mod, max(getattr(x, "ndim", 2) for x in (q, k, v)) - 2)
+    plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed, mods, user)
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
@@ -144,7 +155,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         lists = _tile_lists(cupy, plan.launches)
         counter = _launch.tile_counter(cupy, plan.device) if plan.launches.counted else None
         entries = _per_entry(cupy, mods, plan.shapes[1][:-1])
-        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), *entries, bias, seed or 0, counter)
+        user_args = None if user is None else _user.arguments(cupy, user, plan.shapes[1][:-1], plan.device)
+        arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), *entries, bias, seed or 0, user_args,
+                  counter)
         for launch in plan.launches.runs:
             launch.run(arrays)
         if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0
@@ -228,7 +241,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             entries = _per_entry(cupy, mods, plan.shapes[3][:-1])
             # (the dq pass writes dS where the band reaches; 0 elsewhere)
             dbias = cupy.zeros(plan.shapes[3] + plan.shapes[1][-2:-1], dtype=cupy.float32) if want_dbias else None
-            arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, bias, seed or 0, tiles[1], dout, delta,
+            arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, bias, seed or 0, None, tiles[1], dout, delta,
                       dq if sums is None else sums, dk, dv, dbias)
             for launch in plan.launches.runs:
                 launch.run(arrays)

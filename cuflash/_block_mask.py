@@ -33,9 +33,9 @@ def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128)) -> BlockMask:
     tiles_m, tiles_n = -(-nq // rows), -(-nk // keys)
     kinds = cupy.empty(batch_shape + (tiles_m, tiles_n), dtype=cupy.int8)
     if kinds.size:
-        tiling = np.zeros(_trace.MAX_DIMS + 7, dtype=np.int64)   # block_mask.cuh's cf_tiling
+        tiling = np.zeros(_trace.MAX_DIMS + 6, dtype=np.int64)   # block_mask.cuh's cf_tiling
         tiling[:len(batch_shape)] = batch_shape
-        tiling[_trace.MAX_DIMS:] = (len(batch_shape), nq, nk, rows, keys, tiles_m, tiles_n)
+        tiling[_trace.MAX_DIMS:] = (nq, nk, rows, keys, tiles_m, tiles_n)
         descriptors = _codegen.descriptors(arrays).view(np.uint8)
         fn = _compile.get_user_function("cuflash_block_mask", "user/block_mask.cuh", _codegen.mask_mod_source(traced))
         fn((min(kinds.size, MAX_BLOCKS),), (THREADS,),

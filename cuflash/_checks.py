@@ -436,6 +436,7 @@ class AttnInputs:
     group: tuple[int, int, int] | None = None
     packed: Packed | None = None  # packed variable-length sequences along axis -2
     mods: object = None  # the score modifiers (_mods.ScoreMods), None: none
+    user: object = None  # the call's score and mask functions (_user.UserMods), None: none
 
     @property
     def batch_size(self) -> int:

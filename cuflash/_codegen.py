@@ -237,17 +237,59 @@ def score_mod_source(traced: Traced, name: str = "cuflash_score_mod") -> Source:
     return Source("\n".join(parts), tuple(names))
 
 
+def user_mods_source(score: Traced | None, mask: Traced | None) -> Source:
+    """The two functions the attention kernels call (kernels/user/user_scores.cuh), each for a
+    flat batch entry ``entry`` (row-major) of a batch of shape ``shape``:
+    ``cuflash_user_score(score, entry, shape, q_idx, kv_idx, arrays)``, the score function (the
+    score itself without one), and ``cuflash_user_mask(entry, shape, q_idx, kv_idx, arrays)``,
+    the mask function (true without one), whose captured arrays follow the score function's in
+    ``arrays``; and ``CUFLASH_USER_MASK``, 1 where there is a mask function."""
+    text = f"#define CUFLASH_USER_MASK {int(mask is not None)}\n"
+    indices = "long long q_idx, long long kv_idx, const cuflash_array* arrays"
+    if score is None:
+        body = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n    return score;\n"
+    else:
+        text += score_mod_source(score).text
+        batch = "".join(f"b{i}, " for i in range(score.batch_dims))
+        body = (f"    (void)shape;\n{_unflatten(score.batch_dims)}{'' if score.batch_dims else '    (void)entry;' + chr(10)}"
+                f"    return cuflash_score_mod(score, {batch}q_idx, kv_idx, arrays);\n")
+    text += f"CUFLASH_MOD_FN float cuflash_user_score(float score, long long entry, const long long* shape, {indices}) {{\n{body}}}\n"
+    if mask is None:
+        body = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n    return true;\n"
+    else:
+        text += mask_mod_source(mask).text
+        slots = 0 if score is None else len(score.captures)
+        body = f"    return cuflash_mask_mod_entry(entry, shape, q_idx, kv_idx, arrays + {slots});\n"
+    text += f"CUFLASH_MOD_FN bool cuflash_user_mask(long long entry, const long long* shape, {indices}) {{\n{body}}}\n"
+    return Source(text, ("cuflash_user_score", "cuflash_user_mask"))
+
+
+def _unflatten(batch_dims: int) -> str:
+    """Statements giving ``b0 ... b<batch_dims - 1>``, the indices of flat batch entry ``entry``
+    (row-major) in a batch of shape ``shape``."""
+    lines = []
+    for i in reversed(range(batch_dims)):
+        rest = "entry" if i == batch_dims - 1 else f"r{i}"
+        if i == 0:
+            lines.append(f"    const long long b0 = {rest};\n")
+        else:
+            lines.append(f"    const long long b{i} = {rest} % shape[{i}], r{i - 1} = {rest} / shape[{i}];\n")
+    return "".join(lines)
+
+
 def mask_mod_source(traced: Traced, name: str = "cuflash_mask_mod") -> Source:
-    """``name``: the mask function, true where the key may be attended; ``name_at``: the same
-    with the batch indices as an array, ``name_at(batch, q_idx, kv_idx, arrays)``, for code that
-    does not know how many there are (kernels/user/block_mask.cuh)."""
+    """``name``: the mask function, true where the key may be attended; ``name_entry``: the same
+    for flat batch entry ``entry`` (row-major) of a batch of shape ``shape``,
+    ``name_entry(entry, shape, q_idx, kv_idx, arrays)``, for code that holds the entry rather than
+    its indices (kernels/user/block_mask.cuh)."""
     assert traced.role == "mask_mod"
-    batch = ", ".join(f"batch[{i}]" for i in range(traced.batch_dims))
-    indexed = (f"CUFLASH_MOD_FN bool {name}_at(const long long* batch, long long q_idx, long long kv_idx, "
-               f"const cuflash_array* arrays) {{\n    (void)batch;\n"
-               f"    return {name}({batch + ', ' if batch else ''}q_idx, kv_idx, arrays);\n}}\n")
-    text = _function("bool", name, _params(traced, score=False), traced.result, traced) + indexed
-    return Source(text, (name, f"{name}_at"))
+    batch = "".join(f"b{i}, " for i in range(traced.batch_dims))
+    entry = (f"CUFLASH_MOD_FN bool {name}_entry(long long entry, const long long* shape, long long q_idx, "
+             f"long long kv_idx, const cuflash_array* arrays) {{\n    (void)shape;\n{_unflatten(traced.batch_dims)}"
+             f"{'' if traced.batch_dims else '    (void)entry;' + chr(10)}"
+             f"    return {name}({batch}q_idx, kv_idx, arrays);\n}}\n")
+    text = _function("bool", name, _params(traced, score=False), traced.result, traced) + entry
+    return Source(text, (name, f"{name}_entry"))
 
 
 # `PREAMBLE`'s cuflash_array as NumPy lays it out, for the descriptors a kernel reads

@@ -115,7 +115,7 @@ def _module_options(arch: str) -> tuple[str, ...]:
 
 
 _lock = threading.Lock()
-_functions: dict[tuple[int, str], object] = {}
+_functions: dict[tuple[int, str, str | None], object] = {}
 _smem_limits: dict[tuple[int, str], int] = {}   # each function's dynamic shared-memory limit, as raised
 
 
@@ -148,18 +148,28 @@ def _once(cache: dict, key, build):
     return fn
 
 
-def get_function(name_expression: str, smem_bytes: int):
-    """The compiled kernel for a template instantiation on the current device.
+def user_kernel_source(source) -> str:
+    """The kernels' source followed by a call's score and mask functions (_codegen.Source of
+    user_mods_source) and the score path that calls them (kernels/user/user_scores.cuh)."""
+    from . import _codegen
+
+    return kernel_source() + _codegen.PREAMBLE + source.text + (kernel_dir() / "user" / "user_scores.cuh").read_text()
+
+
+def get_function(name_expression: str, smem_bytes: int, user=None):
+    """The compiled kernel for a template instantiation on the current device; ``user``: the
+    call's score and mask functions (_codegen.Source), for a ``cuflash::UserScores`` kernel.
 
     Compiles on first use and raises the kernel's dynamic shared-memory limit to ``smem_bytes``
     where it is lower.
     """
     import cupy
 
-    key = (cupy.cuda.runtime.getDevice(), name_expression)
+    key = (cupy.cuda.runtime.getDevice(), name_expression, None if user is None else user.key)
 
     def build():
-        module = cupy.RawModule(code=kernel_source(), options=_module_options(current_arch()),
+        code = kernel_source() if user is None else user_kernel_source(user)
+        module = cupy.RawModule(code=code, options=_module_options(current_arch()),
                                 name_expressions=(name_expression,))
         _smem_limits[key] = DEFAULT_SMEM_LIMIT   # a new function's own limit
         return module.get_function(name_expression)

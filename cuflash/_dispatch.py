@@ -14,9 +14,9 @@ from ._launch import (
     Launches, TileListLaunch, blocks_per_sm, cluster_slots, one_per_sm_smem, sm_count,
 )
 from ._tiles import (
-    ELEMENT_TYPES, FULL, KEY_RUNS, MODIFIED, PLAIN, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles,
+    ELEMENT_TYPES, FULL, KEY_RUNS, MODIFIED, PLAIN, USER, Sm90WsFwdTiles, bwd_names, bwd_tiles, decode_supported, decode_tiles,
     delta_name, fwd_name, fwd_tiles, head_dim_bucket, hopper_fwd_name, hopper_fwd_tiles, merge_name, scale_dq_sums_name,
-    sm90_bwd_names, sm90_bwd_tiles, sm90_fwd_tiles, sum_parts_name,
+    sm90_bwd_names, sm90_bwd_tiles, sm90_fwd_tiles, sum_parts_name, user_name,
 )
 
 MERGE_THREADS = 256   # kernels/decode/merge.cuh: one block of MergeTiles::WARPS warps per row
@@ -81,7 +81,10 @@ def _tile_list(x, block: int, by_keys: bool, index: int, capacity: int) -> TileL
 
 
 def score_path(x) -> str:
-    """The kernels' score path for the call's modifiers (_tiles.SCORE_PATHS)."""
+    """The kernels' score path for the call's modifiers (_tiles.SCORE_PATHS, or USER with its
+    own score or mask function)."""
+    if x.user is not None:
+        return USER
     if x.mods is None or not x.mods.modified:
         return PLAIN
     return FULL if x.mods.full else MODIFIED
@@ -96,7 +99,11 @@ def forward_launches(x) -> Launches:
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
     mask = "window" if x.left is not None else "causal" if x.right is not None else "none"   # (_tiles.MASKS)
     scores = score_path(x)
-    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask, scores) if _compile.current_arch() == "sm_90a" else None
+    user = scores == USER   # (FULL's portable kernels, with the call's functions)
+    if user:
+        scores = FULL
+    hopper = (hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask, scores)
+              if _compile.current_arch() == "sm_90a" and not user else None)
     maps = None
     if isinstance(hopper, Sm90WsFwdTiles):   # through the copy engine where maps describe the inputs
         maps = _tensor_map.attention_maps(x, hopper.block_m, hopper.block_n)
@@ -111,7 +118,9 @@ def forward_launches(x) -> Launches:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed, scores)
         smem = tiles.smem_bytes(itemsize, staged_bias=scores == FULL and not packed)
         block_m, threads, cols = tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
-        fn = _compile.get_function(fwd_name(x.dtype_name, tiles, packed, scores), smem)
+        name = fwd_name(x.dtype_name, tiles, packed, scores)
+        fn = (_compile.get_function(user_name(name), smem, x.user.source) if user
+              else _compile.get_function(name, smem))
     ws = isinstance(hopper, Sm90WsFwdTiles)
     if ws:
         params = _params.ws_params(x, block_m, maps.layout if maps else None)

@@ -17,7 +17,7 @@ from . import _gpu, _params
 # pointer fields are filled from these (kernels/attention/params.cuh), None giving a null pointer.
 # Dropout's seed rides with them, an int written into its field per call like a pointer.
 FWD_ARRAYS = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "q_tiles", "alibi_slopes", "sinks", "bias",
-              "dropout_seed", "tile_counter")
+              "dropout_seed", "user_args", "tile_counter")
 _PER_CALL = _params.FWD_POINTERS   # the arrays before tile_counter
 BWD_ARRAYS = FWD_ARRAYS[:_PER_CALL] + ("k_tiles", "dout", "delta", "dq", "dk", "dv", "dbias")
 FWD_FIELDS = tuple(range(_PER_CALL))

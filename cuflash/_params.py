@@ -22,6 +22,7 @@ PARAMS_DTYPE = np.dtype(
         ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("out", np.uint64), ("lse", np.uint64),
         ("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("tiles", np.uint64),
         ("alibi_slopes", np.uint64), ("sinks", np.uint64), ("bias", np.uint64), ("dropout_seed", np.uint64),
+        ("user_args", np.uint64),
         ("q_row_stride", np.int64), ("k_row_stride", np.int64), ("v_row_stride", np.int64),
         ("nq", np.int64), ("nk", np.int64), ("d", np.int64), ("dv", np.int64),
         ("window_left", np.int64), ("window_right", np.int64),
@@ -212,10 +213,10 @@ def bwd_params(inputs, resident: int, layout: BatchLayout | None = None) -> np.n
 
 
 # The fields written per call, as 8-byte words of each record: q, k, v, out, lse, cu_seqlens_q,
-# cu_seqlens_k, tiles, alibi_slopes, sinks, bias and dropout's seed first in both attention
-# records, then the backward's dout, delta, dq, dk, dv_grad, dbias right after AttnParams; a
-# DecodeParams record starts with its pointers.
-FWD_POINTERS = 12
+# cu_seqlens_k, tiles, alibi_slopes, sinks, bias, dropout's seed and the user path's arguments
+# first in both attention records, then the backward's dout, delta, dq, dk, dv_grad, dbias right
+# after AttnParams; a DecodeParams record starts with its pointers.
+FWD_POINTERS = 13
 BWD_POINTERS = 6
 _POINTER_WORDS = {   # runs of consecutive words (slices assign faster than index arrays)
     PARAMS_DTYPE: (slice(0, FWD_POINTERS),),

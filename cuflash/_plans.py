@@ -120,15 +120,29 @@ def _modified(x, mods):
     return dataclasses.replace(x, mods=checked, group=None if checked.alibi or checked.full else x.group)
 
 
-def forward(q, k, v, causal, window, scale, packed=None, mods=None):
+def _with_user(x, user):
+    """x with the call's score and mask functions (_user.UserMods, or None), which see each
+    query entry of the broadcast batch (no grouping); the kernels take them with a scale other
+    than 0 (they keep scores in raw units, 1 / scale of the functions')."""
+    if user is None:
+        return x
+    if x.scale == 0:
+        raise NotImplementedError("cuflash's kernels take score_mod and mask_mod with a scale other than 0, got "
+                                  "scale=0 (cuflash.reference takes it)")
+    return dataclasses.replace(x, user=user, group=None)
+
+
+def forward(q, k, v, causal, window, scale, packed=None, mods=None, user=None):
     """(plan, (q, k, v, cu_seqlens_q, cu_seqlens_k) as the kernels read them) of a forward
     call; raises as the checks do. ``packed``: the packed-sequence keywords, or None;
-    ``mods``: (softcap, alibi_slopes, sinks, bias, dropout_p), or None."""
-    key = _signature("fwd", (q, k, v), causal, window, scale, packed, mods and _mods.key(*mods))
+    ``mods``: (softcap, alibi_slopes, sinks, bias, dropout_p), or None; ``user``: the call's
+    score and mask functions (_user.UserMods), or None."""
+    key = _signature("fwd", (q, k, v), causal, window, scale, packed,
+                     (mods and _mods.key(*mods), user and user.source.key))
     plan = _plans.get(key)
     if plan is not None:
         return plan, (q, k, v) + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
-    x = _modified(_checks.attention_inputs(q, k, v, causal, window, scale, packed), mods)
+    x = _with_user(_modified(_checks.attention_inputs(q, k, v, causal, window, scale, packed), mods), user)
     with x.q.device:
         launches = _dispatch.forward_launches(x) if x.batch_size and x.nq else _launch.Launches(())
     plan = Plan(x.q.device.id, (x.batch_shape + (x.nq, x.dv), x.batch_shape + (x.nq,)), launches)

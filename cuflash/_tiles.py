@@ -44,6 +44,14 @@ class FwdTiles:
 # bias and dropout besides (FULL: the portable prefill kernels only, on every GPU).
 PLAIN, MODIFIED, FULL = "plain", "modified", "full"
 SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores", FULL: "cuflash::FullScores"}
+# A call's own score and mask functions: FULL's kernels and tiles with UserScores, compiled after
+# the functions (kernels/user/user_scores.cuh), so not among the specializations built ahead.
+USER = "user"
+
+
+def user_name(full_name: str) -> str:
+    """The UserScores kernel of a FULL kernel's name expression."""
+    return full_name.replace(SCORE_PATHS[FULL], "cuflash::UserScores")
 DECODE_SCORE_PATHS = (PLAIN, MODIFIED)
 
 

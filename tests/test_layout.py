@@ -238,7 +238,7 @@ def test_pointers_land_in_their_fields():
     record = np.zeros(1, dtype=_params.BWD_PARAMS_DTYPE)
     record[0]["nq"], record[0]["num_n_blocks"] = 77, 5
     names = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "tiles", "alibi_slopes", "sinks", "bias",
-             "dropout_seed", "dout", "delta", "dq", "dk", "dv_grad", "dbias")
+             "dropout_seed", "user_args", "dout", "delta", "dq", "dk", "dv_grad", "dbias")
     arrays = [_FakeArray((1,), (2,), 4096 * (i + 1)) for i in range(len(names))]
     arrays[6] = None   # a null pointer
     kept = _params.Record(record)

@@ -443,14 +443,44 @@ def test_block_mask_header_classifies_tiles_as_the_reference(tmp_path_factory, m
     arrays = _trace.captured_arrays(mask_fn, traced)
     for nq, nk, rows, keys, threads in cases:
         want = reference.block_mask(mask_fn, BATCH, nq, nk, block=(rows, keys)).kinds
-        tiling = np.zeros(_trace.MAX_DIMS + 7, dtype=np.int64)
+        tiling = np.zeros(_trace.MAX_DIMS + 6, dtype=np.int64)
         tiling[:len(BATCH)] = BATCH
-        tiling[_trace.MAX_DIMS:] = (len(BATCH), nq, nk, rows, keys) + want.shape[-2:]
+        tiling[_trace.MAX_DIMS:] = (nq, nk, rows, keys) + want.shape[-2:]
         got = np.full(want.shape, -1, dtype=np.int8)
         descriptors = _codegen.descriptors(arrays)   # (kept alive through the call)
         lib.run_tiles(ctypes.c_void_p(tiling.ctypes.data), ctypes.c_void_p(descriptors.ctypes.data),
                       ctypes.c_void_p(got.ctypes.data), ctypes.c_longlong(got.size), ctypes.c_longlong(threads))
         np.testing.assert_array_equal(got, want, err_msg=f"nq {nq}, nk {nk}, block ({rows}, {keys})")
+
+
+@requires_cxx
+@pytest.mark.parametrize("batch", [(), (5,), (2, 3, 4)])
+def test_mask_function_of_a_flat_entry_equals_it_at_the_entrys_indices(tmp_path, batch):
+    """``cuflash_mask_mod_entry(entry, shape, q, k)``, which kernels call with a flat batch entry,
+    against the function at that entry's row-major indices, for every entry of the batch."""
+    def mask(*idx):
+        *b, q, k = idx
+        return (q + 3 * sum((i + 1) * x for i, x in enumerate(b))) % 4 != k % 3
+
+    traced = _trace.trace(mask, "mask_mod", len(batch))
+    runners = textwrap.dedent(f"""
+        extern "C" void run_entries(long long entries, const long long* shape, const long long* idx, bool* out) {{
+            for (long long e = 0; e < entries; ++e)
+                for (long long q = 0; q < 4; ++q)
+                    for (long long k = 0; k < 3; ++k)
+                        out[(e * 4 + q) * 3 + k] = cuflash_mask_mod_entry(e, shape, q, k, nullptr);
+            (void)idx;
+        }}
+    """)
+    lib = host_library(tmp_path, _codegen.mask_mod_source(traced).text, runners)
+    entries = int(np.prod(batch, dtype=np.int64))
+    shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
+    shape[:len(batch)] = batch
+    got = np.zeros((entries, 4, 3), dtype=np.bool_)
+    lib.run_entries(ctypes.c_longlong(entries), ctypes.c_void_p(shape.ctypes.data), None, ctypes.c_void_p(got.ctypes.data))
+    want = np.array([[[mask(*np.unravel_index(e, batch), q, k) for k in range(3)] for q in range(4)]
+                     for e in range(entries)])
+    np.testing.assert_array_equal(got, want)
 
 
 def every_dtype_function():
@@ -557,3 +587,44 @@ def test_block_mask_kernel_compiles_with_nvrtc(arch):
     source = _codegen.PREAMBLE + _codegen.mask_mod_source(mask).text + block_mask_header()
     result = subprocess.run([python, "-c", NVRTC_SCRIPT, arch], input=source, capture_output=True, text=True)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout + result.stderr
+
+
+NVRTC_NAMED_SCRIPT = """
+import json, sys
+from cupy_backends.cuda.libs import nvrtc
+job = json.load(sys.stdin)
+prog = nvrtc.createProgram(job["source"], "attention_user.cu", [], [])
+for name in job["names"]:
+    nvrtc.addNameExpression(prog, name)
+try:
+    nvrtc.compileProgram(prog, job["options"] + ["-Xptxas=-v"])
+finally:
+    print(nvrtc.getProgramLog(prog))
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_attention_kernels_compile_with_score_and_mask_functions(arch):
+    """The forward kernels' UserScores path (kernels/user/user_scores.cuh) after a score function
+    that reads a table and a mask function that reads document ids, dense and packed, with no
+    warning and no spill (head dim 64)."""
+    import json
+
+    from cuflash import _tiles
+
+    python = nvrtc_python()
+    if python is None:
+        pytest.skip("cupy_backends.cuda.libs.nvrtc is not importable here (nor in /tmp/ckvenv)")
+    docs, rel = np.zeros(64, dtype=np.int32), np.zeros((4, 64), dtype=np.float32)
+    score = _trace.trace(lambda s, b, h, q, k: s + rel[h, q - k + 32] / 2, "score_mod", 2)
+    mask = _trace.trace(lambda b, h, q, k: (docs[q] == docs[k]) & (q >= k), "mask_mod", 2)
+    names = [_tiles.user_name(_tiles.fwd_name(dtype, _tiles.fwd_tiles(dtype, 64, packed, _tiles.FULL), packed,
+                                              _tiles.FULL))
+             for dtype in ("float16", "bfloat16") for packed in (False, True)]
+    job = {"source": _compile.user_kernel_source(_codegen.user_mods_source(score, mask)), "names": names,
+           "options": list(_compile.nvrtc_options(arch))}
+    result = subprocess.run([python, "-c", NVRTC_NAMED_SCRIPT], input=json.dumps(job), capture_output=True, text=True)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0 and "warning" not in log, log
+    assert log.count("Compiling entry function '_ZN7cuflash8attn_fwd") == len(names), log
+    assert "bytes spill" not in log.replace("0 bytes spill", ""), log

@@ -54,6 +54,8 @@ struct AttnParams {
     // inputs' type: bias_float32), and dropout's seed (dropout.cuh), both written per call
     const void* bias;
     unsigned long long dropout_seed;
+    // the user score path's arguments (kernels/user/user_scores.cuh), null elsewhere
+    const void* user_args;
     index_t q_row_stride, k_row_stride, v_row_stride;   // in elements
     index_t nq, nk, d, dv;    // rows of q and k (of all sequences when packed)
     // Row i attends key j iff i + off - window_left <= j <= i + off + window_right,

@@ -26,17 +26,33 @@ constexpr float LOG2E = 1.4426950408889634f;
 struct PlainScores {
     static constexpr bool MODIFIED = false;
     static constexpr bool FULL = false;
+    static constexpr bool USER = false;
 };
 // softcap and ALiBi, each off at run time (cap 0, no slopes)
 struct ModifiedScores {
     static constexpr bool MODIFIED = true;
     static constexpr bool FULL = false;
+    static constexpr bool USER = false;
 };
 // softcap, ALiBi, a bias and dropout, each off at run time (the portable prefill kernels')
 struct FullScores {
     static constexpr bool MODIFIED = true;
     static constexpr bool FULL = true;
+    static constexpr bool USER = false;
 };
+// FullScores' modifiers and a call's own score and mask functions: UserScores
+// (kernels/user/user_scores.cuh), compiled after the functions, where USER.
+
+// fn(mt, nt, e) for each element e of each m16n8 C fragment (mt, nt) a thread holds, unrolled
+template <int M_TILES, int N_TILES, class Fn>
+__device__ __forceinline__ void for_each_element(Fn&& fn) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fn(mt, nt, e);
+}
 
 // A warp's dropout mask over TILES 16 x 16 tiles of its 16 rows: 8 bits per thread and tile,
 // bit 4h + 2jb + b for rows g + 8h, columns 8jb + 2t + b (dropout.cuh). NoDrop: no mask (the
@@ -156,7 +172,7 @@ struct ScorePath {
     }
 
     // Whether the call has a bias (FULL); then every block takes the masked softmax, since a
-    // bias may hold -inf anywhere.
+    // bias may hold -inf anywhere (and so may a score or mask function's scores: USER).
     __device__ __forceinline__ bool biased() const {
         if constexpr (FULL && BIAS) {
             return p.bias != nullptr;
@@ -164,7 +180,7 @@ struct ScorePath {
             return false;
         }
     }
-    __device__ __forceinline__ bool masks_anywhere() const { return biased(); }
+    __device__ __forceinline__ bool masks_anywhere() const { return Scores::USER || biased(); }
 
     __device__ __forceinline__ bool capped() const { return MODIFIED && p.cap != 0.f; }
 
@@ -176,6 +192,7 @@ struct ScorePath {
     __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
         cap_and_alibi<KEYS_IN_ROWS>(s, row0, col0);
         if (biased()) add_bias<KEYS_IN_ROWS>(s, row0, col0);
+        if constexpr (Scores::USER) apply_user<KEYS_IN_ROWS>(s, row0, col0);
     }
     // modify() with the bias from the block's tile in shared memory (`staged_bias`): Tile's
     // layout at s_tile, the warp's rows from tile_row0 of it, the block's keys from its first
@@ -204,6 +221,7 @@ struct ScorePath {
                     s[mt][nt][2 * h] += Score(b0 * p.slope_unit);
                     s[mt][nt][2 * h + 1] += Score(b1 * p.slope_unit);
                 }
+        if constexpr (Scores::USER) apply_user<false>(s, row0, col0);
     }
     // softcap and ALiBi (MODIFIED), the steps before the bias
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
@@ -232,6 +250,32 @@ struct ScorePath {
         return static_cast<const typename T::storage*>(p.bias) + bias_base + index_t(row) * p.bias_row_stride;
     }
 
+    // The sequence's row and key of fragment element (mt, nt, e) of a warp's tile from row0, col0
+    // (KEYS_IN_ROWS: keys in the tile's rows)
+    template <bool KEYS_IN_ROWS>
+    __device__ __forceinline__ static void position_of(int row0, int col0, int mt, int nt, int e, int& i, int& j) {
+        const int row = row0 + mt * 16 + (threadIdx.x % 32) / 4 + 8 * (e >> 1);
+        const int col = col0 + nt * 8 + 2 * (threadIdx.x % 4) + (e & 1);
+        i = KEYS_IN_ROWS ? col : row;
+        j = KEYS_IN_ROWS ? row : col;
+    }
+
+    // The call's score function on each score (in scaled units, as it takes them) and its mask
+    // function (-inf where it refuses the key), at the positions in the arrays: the sequence's
+    // first row and key plus its own (the reference's positions for packed sequences).
+    template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
+    __device__ __forceinline__ void apply_user(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        const float scale = 1.f / p.slope_unit;
+        for_each_element<M_TILES, N_TILES>([&](int mt, int nt, int e) {
+            int i, j;
+            position_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e, i, j);
+            const long long qi = q0 + i, kj = k0 + j;
+            const float x = Scores::score(float(s[mt][nt][e]) * scale, entry, qi, kj, p.user_args);
+            const bool kept = !Scores::MASK || Scores::allowed(entry, qi, kj, p.user_args);
+            s[mt][nt][e] = Score(kept ? x * p.slope_unit : -CUFLASH_INF);
+        });
+    }
+
     // Whether the bias's key pairs (2t, 2t + 1) are aligned neighbours, one load each (taken
     // per block: a register kept for it spilled packed kernels, which never see a bias)
     __device__ __forceinline__ bool bias_pairs() const {
@@ -249,9 +293,9 @@ struct ScorePath {
     // The bias of fragment element (mt, nt, e) of a warp's tile from row0, col0
     template <bool KEYS_IN_ROWS>
     __device__ __forceinline__ float bias_of(int row0, int col0, int mt, int nt, int e) const {
-        const int row = row0 + mt * 16 + (threadIdx.x % 32) / 4 + 8 * (e >> 1);
-        const int col = col0 + nt * 8 + 2 * (threadIdx.x % 4) + (e & 1);
-        return KEYS_IN_ROWS ? bias_at(col, row) : bias_at(row, col);
+        int i, j;
+        position_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e, i, j);
+        return bias_at(i, j);
     }
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void add_bias(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
@@ -266,12 +310,8 @@ struct ScorePath {
                 return;
             }
         }
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] += Score(bias_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e));
+        for_each_element<M_TILES, N_TILES>(
+            [&](int mt, int nt, int e) { s[mt][nt][e] += Score(bias_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e)); });
     }
 
     // add_bias with the bias's elements of type E (float, or T's storage) read in pairs: row by

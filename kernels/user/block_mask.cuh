@@ -1,15 +1,16 @@
 // block_mask.cuh: what a mask function allows in each tile (cuflash.block_mask). It follows
-// the generated code (cuflash._codegen: the preamble and the mask function with its indexed
-// form, cuflash_mask_mod_at), so one source serves the GPU and the host compiler's tests.
+// the generated code (cuflash._codegen: the preamble and the mask function with its form for a
+// flat batch entry, cuflash_mask_mod_entry), so one source serves the GPU and the host
+// compiler's tests.
 // A tile is EMPTY, PARTIAL or FULL as cuflash.reference.BlockMask says: only elements inside
 // (nq, nk) count, so a ragged last tile is full when all of its elements inside are allowed.
 // (Joined to the generated code as text, never #included: no include guard.)
 
-// The tiles of a call, all int64 (the host writes them as one array): the batch dims (the
-// first batch_ndim of them), rows and keys, a tile's rows and keys, tiles down and across.
+// The tiles of a call, all int64 (the host writes them as one array): the batch dims (as many
+// as the mask function takes), rows and keys, a tile's rows and keys, tiles down and across.
 struct cf_tiling {
     long long batch[CUFLASH_MAX_DIMS];
-    long long batch_ndim, nq, nk, rows, keys, tiles_m, tiles_n;
+    long long nq, nk, rows, keys, tiles_m, tiles_n;
 };
 
 // BlockMask's kinds: EMPTY (a kernel skips the tile), PARTIAL (it tests each element), FULL
@@ -23,17 +24,12 @@ CUFLASH_MOD_FN void cf_tile_part(const cf_tiling& s, long long tile, long long f
     const long long n = rest % s.tiles_n;
     rest /= s.tiles_n;
     const long long m = rest % s.tiles_m;
-    rest /= s.tiles_m;
-    long long b[CUFLASH_MAX_DIMS] = {};
-    for (long long i = s.batch_ndim - 1; i >= 0; --i) {
-        b[i] = rest % s.batch[i];
-        rest /= s.batch[i];
-    }
+    const long long entry = rest / s.tiles_m;   // the tile's flat batch entry
     const long long q0 = m * s.rows, k0 = n * s.keys;
     const long long rows = cf_imin(s.rows, s.nq - q0), keys = cf_imin(s.keys, s.nk - k0);
     bool any = false, every = true;
     for (long long e = first; e < rows * keys; e += stride) {
-        const bool ok = cuflash_mask_mod_at(b, q0 + e / keys, k0 + e % keys, arrays);
+        const bool ok = cuflash_mask_mod_entry(entry, s.batch, q0 + e / keys, k0 + e % keys, arrays);
         any = any || ok;
         every = every && ok;
     }

@@ -1,0 +1,57 @@
+"""A call's own score and mask functions on the GPU (docs/contract.md, "User-defined score and
+mask functions"): traced (cuflash._trace), their CUDA C++ generated (_codegen.user_mods_source)
+and compiled into the attention kernels' UserScores path (kernels/user/user_scores.cuh), and the
+arguments each call passes them. cuflash.reference runs the same functions on NumPy arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _codegen, _trace
+
+
+@dataclass(frozen=True)
+class UserMods:
+    """The functions of a call and their traces (None where absent), and the generated source
+    the kernels are compiled with (its ``key`` part of the call's plan)."""
+
+    score_mod: object
+    mask_mod: object
+    score: _trace.Traced | None
+    mask: _trace.Traced | None
+    source: _codegen.Source
+
+
+_sources: dict = {}   # ids of (score trace, mask trace) -> (the traces, their source), made once
+
+
+def trace(score_mod, mask_mod, batch_dims: int) -> UserMods | None:
+    """The call's functions traced for ``batch_dims`` batch indices (their TypeErrors), or None
+    without either."""
+    if score_mod is None and mask_mod is None:
+        return None
+    score = None if score_mod is None else _trace.trace(score_mod, "score_mod", batch_dims)
+    mask = None if mask_mod is None else _trace.trace(mask_mod, "mask_mod", batch_dims)
+    key = (id(score), id(mask))   # (each entry keeps its traces, so their ids stay theirs)
+    kept = _sources.get(key)
+    if kept is None:
+        kept = _sources[key] = (score, mask, _codegen.user_mods_source(score, mask))
+    return UserMods(score_mod, mask_mod, score, mask, kept[2])
+
+
+def arguments(cupy, user: UserMods, batch_shape, device: int):
+    """The kernels' user_args for a call over ``batch_shape``: the shape in
+    `_trace.MAX_DIMS` words, then the descriptors of the arrays the functions capture (the score
+    function's first), on the device; TypeError for a captured array not on ``device``."""
+    arrays = []
+    for fn, traced in ((user.score_mod, user.score), (user.mask_mod, user.mask)):
+        if traced is not None:
+            captured = _trace.captured_arrays(fn, traced)
+            _trace.check_devices(traced, captured, device)
+            arrays += captured
+    shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
+    shape[:len(batch_shape)] = batch_shape
+    words = np.concatenate([shape, _codegen.descriptors(arrays).view(np.int64)])
+    return cupy.asarray(words)

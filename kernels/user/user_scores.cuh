@@ -1,0 +1,35 @@
+// user_scores.cuh: UserScores, the score path of a call's own score and mask functions
+// (cuflash.attention's score_mod and mask_mod). Joined as text after the kernels' source and
+// the generated functions (cuflash._codegen: the preamble and user_mods_source, which defines
+// cuflash_user_score, cuflash_user_mask and CUFLASH_USER_MASK); ScorePath calls it where
+// Scores::USER (attention/score_path.cuh), beside FullScores' modifiers.
+//
+// The call's arguments (AttnParams::user_args), one int64 array on the device (cuflash/_user.py):
+// the batch's shape in CUFLASH_MAX_DIMS words (its first those the functions take), then the
+// captured arrays' descriptors (cuflash_array), the score function's first.
+
+namespace cuflash {
+
+struct UserScores {
+    static constexpr bool MODIFIED = true;
+    static constexpr bool FULL = true;
+    static constexpr bool USER = true;
+    static constexpr bool MASK = CUFLASH_USER_MASK != 0;   // whether there is a mask function
+
+    __device__ __forceinline__ static const long long* shape(const void* args) {
+        return static_cast<const long long*>(args);
+    }
+    __device__ __forceinline__ static const cuflash_array* arrays(const void* args) {
+        return reinterpret_cast<const cuflash_array*>(shape(args) + CUFLASH_MAX_DIMS);
+    }
+    // The score function of scaled score s, of row i and key j of flat batch entry `entry`
+    __device__ __forceinline__ static float score(float s, u32 entry, long long i, long long j, const void* args) {
+        return cuflash_user_score(s, entry, shape(args), i, j, arrays(args));
+    }
+    // Whether the mask function lets row i see key j
+    __device__ __forceinline__ static bool allowed(u32 entry, long long i, long long j, const void* args) {
+        return cuflash_user_mask(entry, shape(args), i, j, arrays(args));
+    }
+};
+
+}  // namespace cuflash
