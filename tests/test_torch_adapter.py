@@ -482,6 +482,40 @@ def test_cpu_merge_matches_one_attention_over_all_keys():
     torch.library.opcheck(torch.ops.cuflash.merge_attention.default, ([p[0] for p in parts], [p[1] for p in parts]))
 
 
+class _RecordingCupy:
+    """What _cupy_view asks of CuPy, recorded: enough of its API to check the view's arithmetic
+    on CPU tensors."""
+
+    class cuda:  # noqa: N801 - CuPy's name
+        UnownedMemory = staticmethod(lambda ptr, size, owner, device: dict(ptr=ptr, size=size, owner=owner))
+        MemoryPointer = staticmethod(lambda memory, offset: dict(memory, offset=offset))
+
+    from_dlpack = staticmethod(lambda t: np.empty(0, dtype=str(t.dtype).removeprefix("torch.")))
+    ndarray = staticmethod(lambda shape, dtype, memptr, strides: dict(shape=shape, dtype=dtype, strides=strides,
+                                                                      **memptr))
+    empty = staticmethod(lambda shape, dtype: dict(shape=shape, dtype=dtype, empty=True))
+
+
+@pytest.mark.parametrize("view", ["contiguous", "transposed", "sliced", "expanded", "empty"])
+def test_cupy_view_spans_the_tensors_elements(view, monkeypatch):
+    """_cupy_view's array: the tensor's shape, strides in bytes and first element, over memory
+    that reaches its last element and no further, owned by the tensor (a stand-in CuPy records
+    the calls)."""
+    monkeypatch.setattr(ct, "_CUPY_DTYPES", {})
+    base = torch.arange(4 * 6 * 10, dtype=torch.float16).reshape(4, 6, 10)
+    t = {"contiguous": base, "transposed": base.transpose(0, 2), "sliced": base[1:, ::2, 3:7],
+         "expanded": base[:, :1].expand(4, 5, 10), "empty": base[:, :0]}[view]
+    a = ct._cupy_view(_RecordingCupy, t)
+    assert (a["shape"], a["dtype"]) == (tuple(t.shape), np.float16)
+    if view == "empty":
+        assert a["empty"]
+        return
+    assert a["strides"] == tuple(2 * st for st in t.stride())
+    assert (a["ptr"], a["offset"]) == (t.data_ptr(), 0) and a["owner"] is not None
+    last = max(sum(i * st for i, st in zip(index, t.stride())) for index in np.ndindex(*t.shape))
+    assert a["size"] == 2 * (last + 1)
+
+
 def test_cpu_kvcache_appends_and_attends_over_the_cached_keys():
     # float32 caches: NumPy shares their memory, so the reference's append lands in them
     b, hq, hkv, nmax, d = 2, 8, 2, 16, 8
