@@ -180,8 +180,9 @@ def kvcache_cases():
 def modifier_cases():
     """softcap, ALiBi and sinks together on each dtype, head dim and mask; one at a time on
     grouped queries (values per query head), rows that see no key, padded and strided head
-    dims and packed sequences; a bias broadcast over the batch with its gradient, dropout,
-    and dropout on packed sequences, on each dtype; the Hopper kernels' longer tiles with all
+    dims and packed sequences; a bias broadcast over the batch with its gradient (read from
+    global memory, and through shared memory), dropout, and dropout on packed sequences, on
+    each dtype; score and mask functions; the Hopper kernels' longer tiles with all
     three; and the KV cache with all three."""
     ok = True
 
@@ -227,6 +228,19 @@ def modifier_cases():
                        window=(17, 5), bias=randn((3, 67, 93), dtype), bias_grad=True)
         ok &= run_case(f"{dtype} D=64 Nq=67 Nk=93 causal dropout 0.2", q, k, v, causal=True, dropout_p=0.2,
                        seed=0x9E3779B97F4A7C15)
+        # the bias through shared memory (keys a multiple of 8, rows on 16-byte boundaries) at D 128
+        q, k, v = randn((2, 3, 67, 128), dtype), randn((2, 3, 96, 128), dtype), randn((2, 3, 96, 128), dtype)
+        ok &= run_case(f"{dtype} D=128 Nq=67 Nk=96 causal bias (3, Nq, Nk) staged, with dbias", q, k, v,
+                       causal=True, bias=randn((3, 67, 96), dtype), bias_grad=True)
+        if dtype != "float32":   # score and mask functions (the forward), reading a captured table
+            table = cupy.asarray(rng.standard_normal((3, 67 + 96 - 1)).astype(np.float32))
+            out = cuflash.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, i - j + 95],
+                                    mask_mod=lambda b, h, i, j: (j <= i + 29) & ((i + j) % 5 != 0))
+            cupy.cuda.Device().synchronize()
+            finite = bool(cupy.isfinite(out.astype(np.float32)).all())
+            print(f"{dtype + ' D=128 Nq=67 Nk=96 score_mod (table) + mask_mod':58s} "
+                  f"{'finite' if finite else 'NOT FINITE: out'}", flush=True)
+            ok &= finite
     # the Hopper kernels' longer tiles: the forward on a loading warpgroup at D = 64 past 128
     # keys and 176-key blocks at D = 128 from 8192 keys, D = 256 through maps; the dk/dv pass
     # on a loading warpgroup at D = 64 from 2048 queries
