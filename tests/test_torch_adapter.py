@@ -829,25 +829,27 @@ def test_gpu_opcheck():
 
 @requires_gpu
 def test_gpu_inputs_reach_the_kernels_without_a_copy_on_torch_stream(monkeypatch):
+    """The arrays cuflash.attention gets are over the tensors' own memory, on torch's current stream."""
     import cupy
+
+    import cuflash
 
     q, k, v = qkv(1, 4, 4, 128, 128, 64, device="cuda", dtype=torch.float16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())   # q, k, v were written on the default stream
     seen = []
-    real_from_dlpack = cupy.from_dlpack
+    real_attention = cuflash.attention
 
-    def spy(t):
-        array = real_from_dlpack(t)
-        seen.append((t.data_ptr(), array.data.ptr, cupy.cuda.get_current_stream().ptr))
-        return array
+    def spy(*arrays, **kw):
+        seen.extend((a.data.ptr, cupy.cuda.get_current_stream().ptr) for a in arrays)
+        return real_attention(*arrays, **kw)
 
-    monkeypatch.setattr(cupy, "from_dlpack", spy)
+    monkeypatch.setattr(cuflash._api, "attention", spy)
     with torch.cuda.stream(stream), warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)   # no deprecated CuPy stream API
         out = ct.attention(q, k, v)
-    assert [s[:2] for s in seen] == [(x.data_ptr(),) * 2 for x in (q, k, v)]
-    assert {s[2] for s in seen} == {stream.cuda_stream}
+    assert [s[0] for s in seen] == [x.data_ptr() for x in (q, k, v)]
+    assert {s[1] for s in seen} == {stream.cuda_stream}
     stream.synchronize()
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=2e-3)
 
