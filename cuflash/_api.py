@@ -175,7 +175,7 @@ def _per_entry(cupy, mods, batch_shape):
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
                        deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                       seed=None, bias_grad=False):
+                       seed=None, bias_grad=False, score_mod=None, mask_mod=None, score_mod_grads=None):
     """Gradients of ``attention`` with respect to q, k and v.
 
     Recomputes the scores block by block from q, k and the forward's ``lse``;
@@ -187,8 +187,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dout : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv)
         Gradient of the loss with respect to ``out``.
     q, k, v, causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
-    softcap, bias, alibi_slopes, sinks, dropout_p, seed
-        As given to ``attention`` (dropout's mask is made again from the seed).
+    softcap, bias, alibi_slopes, sinks, dropout_p, seed, score_mod, mask_mod
+        As given to ``attention`` (dropout's mask is made again from the seed). ``score_mod``'s
+        derivative with respect to the score is taken symbolically (docs/contract.md).
+    score_mod_grads : None
+        The gradients of arrays ``score_mod`` captures: cuflash.reference.attention_backward
+        takes them; here anything but None raises NotImplementedError.
     bias_grad : bool
         With ``bias``, also return its gradient ``dbias``.
     out, lse : cupy.ndarray
@@ -226,8 +230,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dropout_p, seed = _checks.check_dropout(dropout_p, seed)
     mods = _mods(softcap, alibi_slopes, sinks, bias, dropout_p)
     want_dbias = bias is not None and bias_grad
+    user = _user.trace(score_mod, mask_mod, max(getattr(x, "ndim", 2) for x in (q, k, v)) - 2)
+    _user.check_backward(score_mod, score_mod_grads, want_dbias and softcap is not None)
     plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
-                                                                   packed, bool(deterministic), mods)
+                                                                   packed, bool(deterministic), mods, user)
     cupy = _checks.require_cupy()
     # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
     alloc = cupy.empty if plan.launches.runs else cupy.zeros
@@ -241,8 +247,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             entries = _per_entry(cupy, mods, plan.shapes[3][:-1])
             # (the dq pass writes dS where the band reaches; 0 elsewhere)
             dbias = cupy.zeros(plan.shapes[3] + plan.shapes[1][-2:-1], dtype=cupy.float32) if want_dbias else None
-            arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, bias, seed or 0, None, tiles[1], dout, delta,
-                      dq if sums is None else sums, dk, dv, dbias)
+            user_args = None if user is None else _user.arguments(cupy, user, plan.shapes[3][:-1], plan.device)
+            arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, bias, seed or 0, user_args, tiles[1], dout,
+                      delta, dq if sums is None else sums, dk, dv, dbias)
             for launch in plan.launches.runs:
                 launch.run(arrays)
             if sums is not None:
@@ -283,7 +290,7 @@ def _gradient_of(cupy, g, x):
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
                   deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                  seed=None, bias_grad=False):
+                  seed=None, bias_grad=False, score_mod=None, mask_mod=None):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
@@ -304,8 +311,9 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
     mask = {"causal": causal, "window": window, "scale": scale, "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
             "check": check, "softcap": softcap, "bias": bias, "alibi_slopes": alibi_slopes, "sinks": sinks,
-            "dropout_p": dropout_p, "seed": seed}
+            "dropout_p": dropout_p, "seed": seed, "score_mod": score_mod, "mask_mod": mask_mod}
     _checks.check_flag("bias_grad", bias_grad)
+    _user.check_backward(score_mod, None, bias is not None and bias_grad and softcap is not None)
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):

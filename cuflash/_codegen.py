@@ -241,27 +241,34 @@ def user_mods_source(score: Traced | None, mask: Traced | None) -> Source:
     """The two functions the attention kernels call (kernels/user/user_scores.cuh), each for a
     flat batch entry ``entry`` (row-major) of a batch of shape ``shape``:
     ``cuflash_user_score(score, entry, shape, q_idx, kv_idx, arrays)``, the score function (the
-    score itself without one), and ``cuflash_user_mask(entry, shape, q_idx, kv_idx, arrays)``,
+    score itself without one), ``cuflash_user_dscore`` (the same arguments), its derivative with
+    respect to the score (1 without one), and ``cuflash_user_mask(entry, shape, q_idx, kv_idx, arrays)``,
     the mask function (true without one), whose captured arrays follow the score function's in
     ``arrays``; and ``CUFLASH_USER_MASK``, 1 where there is a mask function."""
     text = f"#define CUFLASH_USER_MASK {int(mask is not None)}\n"
     indices = "long long q_idx, long long kv_idx, const cuflash_array* arrays"
-    if score is None:
-        body = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n    return score;\n"
-    else:
+    unused = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n"
+    if score is not None:
         text += score_mod_source(score).text
-        batch = "".join(f"b{i}, " for i in range(score.batch_dims))
-        body = (f"    (void)shape;\n{_unflatten(score.batch_dims)}{'' if score.batch_dims else '    (void)entry;' + chr(10)}"
-                f"    return cuflash_score_mod(score, {batch}q_idx, kv_idx, arrays);\n")
-    text += f"CUFLASH_MOD_FN float cuflash_user_score(float score, long long entry, const long long* shape, {indices}) {{\n{body}}}\n"
+    for name, fn, without in (("cuflash_user_score", "cuflash_score_mod", "score"),
+                              ("cuflash_user_dscore", "cuflash_score_mod_dscore", "(void)score, 1.0f")):
+        if score is None:
+            body = f"{unused}    return {without};\n"
+        else:
+            batch = "".join(f"b{i}, " for i in range(score.batch_dims))
+            body = (f"    (void)shape;\n{_unflatten(score.batch_dims)}"
+                    f"{'' if score.batch_dims else '    (void)entry;' + chr(10)}"
+                    f"    return {fn}(score, {batch}q_idx, kv_idx, arrays);\n")
+        text += (f"CUFLASH_MOD_FN float {name}(float score, long long entry, const long long* shape, {indices}) "
+                 f"{{\n{body}}}\n")
     if mask is None:
-        body = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n    return true;\n"
+        body = f"{unused}    return true;\n"
     else:
         text += mask_mod_source(mask).text
         slots = 0 if score is None else len(score.captures)
         body = f"    return cuflash_mask_mod_entry(entry, shape, q_idx, kv_idx, arrays + {slots});\n"
     text += f"CUFLASH_MOD_FN bool cuflash_user_mask(long long entry, const long long* shape, {indices}) {{\n{body}}}\n"
-    return Source(text, ("cuflash_user_score", "cuflash_user_mask"))
+    return Source(text, ("cuflash_user_score", "cuflash_user_dscore", "cuflash_user_mask"))
 
 
 def _unflatten(batch_dims: int) -> str:

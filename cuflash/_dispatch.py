@@ -90,6 +90,19 @@ def score_path(x) -> str:
     return FULL if x.mods.full else MODIFIED
 
 
+def _scores_of(x) -> tuple[str, bool]:
+    """(the score path of the kernels' name expressions, whether they take the call's own
+    functions): USER runs FULL's portable kernels with UserScores."""
+    scores = score_path(x)
+    return (FULL, True) if scores == USER else (scores, False)
+
+
+def _function(name: str, smem: int, x, user: bool):
+    """The compiled kernel of FULL name expression ``name``; with ``user``, its UserScores
+    twin compiled after the call's functions."""
+    return _compile.get_function(user_name(name), smem, x.user.source) if user else _compile.get_function(name, smem)
+
+
 def forward_launches(x) -> Launches:
     """The forward over the whole broadcast batch: one launch (with at least one query),
     after the one that lists its tiles when the sequences are packed."""
@@ -98,10 +111,7 @@ def forward_launches(x) -> Launches:
     packed = x.packed is not None
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
     mask = "window" if x.left is not None else "causal" if x.right is not None else "none"   # (_tiles.MASKS)
-    scores = score_path(x)
-    user = scores == USER   # (FULL's portable kernels, with the call's functions)
-    if user:
-        scores = FULL
+    scores, user = _scores_of(x)
     hopper = (hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask, scores)
               if _compile.current_arch() == "sm_90a" and not user else None)
     maps = None
@@ -118,9 +128,7 @@ def forward_launches(x) -> Launches:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed, scores)
         smem = tiles.smem_bytes(itemsize, staged_bias=scores == FULL and not packed)
         block_m, threads, cols = tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
-        name = fwd_name(x.dtype_name, tiles, packed, scores)
-        fn = (_compile.get_function(user_name(name), smem, x.user.source) if user
-              else _compile.get_function(name, smem))
+        fn = _function(fwd_name(x.dtype_name, tiles, packed, scores), smem, x, user)
     ws = isinstance(hopper, Sm90WsFwdTiles)
     if ws:
         params = _params.ws_params(x, block_m, maps.layout if maps else None)
@@ -179,18 +187,19 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     width = max(x.d, x.dv)
     queries = x.nq / x.packed.num_seqs if x.packed and x.packed.num_seqs else x.nq   # per sequence (the mean)
     in_order = deterministic or not _dq_in_any_order(x)
-    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, in_order, score_path(x), x.packed is not None)
-            if _compile.current_arch() == "sm_90a" else None)
+    scores, user = _scores_of(x)
+    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, in_order, scores, x.packed is not None)
+            if _compile.current_arch() == "sm_90a" and not user else None)
     if sm90 is not None:
-        dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None, score_path(x))
+        dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None, scores)
         dq_res, dkdv_res = sm90.dq_resident, sm90.dkdv_resident
         threads, dkdv_threads = sm90.dq_threads, sm90.dkdv_threads
         dq_smem, dkdv_smem = sm90.smem_bytes(itemsize), sm90.dkdv_smem_bytes(itemsize)
         dq_cols = dkdv_cols = 1   # a block holds gradients of every column
         per_sm = sm90.dkdv_blocks_per_sm
     else:
-        tiles = bwd_tiles(x.dtype_name, head_dim, score_path(x), x.packed is not None)
-        _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None, score_path(x))
+        tiles = bwd_tiles(x.dtype_name, head_dim, scores, x.packed is not None)
+        _, dkdv_name, dq_name = bwd_names(x.dtype_name, tiles, x.packed is not None, scores)
         dq_res = dkdv_res = tiles.resident
         dq_smem = dkdv_smem = tiles.smem_bytes(itemsize)
         dq_cols = dkdv_cols = max(1, -(-width // tiles.dcol))
@@ -202,11 +211,11 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     dkdv_params = _params.bwd_params(x, dkdv_res, layout)
     dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
     dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
-    dkdv = Launch(_compile.get_function(dkdv_name, dkdv_smem), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
+    dkdv = Launch(_function(dkdv_name, dkdv_smem, x, user), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
                   dkdv_params, DKDV_FIELDS)
     adds_dq = sm90 is not None and sm90.dkdv_adds_dq   # then no dq pass: delta first, and dq in float32 sums
     if not adds_dq:
-        dq = Launch(_compile.get_function(dq_name, dq_smem), (dq_blocks, dq_cols), threads, dq_smem, dq_params,
+        dq = Launch(_function(dq_name, dq_smem, x, user), (dq_blocks, dq_cols), threads, dq_smem, dq_params,
                     DQ_FIELDS)
     if sm90 is None or adds_dq:
         delta = Launch(_compile.get_function(delta_name(x.dtype_name), 0), (-(-x.batch_size * x.nq // 4),), 128, 0,

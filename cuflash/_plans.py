@@ -151,17 +151,17 @@ def forward(q, k, v, causal, window, scale, packed=None, mods=None, user=None):
     return plan, (x.q, x.k, x.v) + _packed_arrays(x)
 
 
-def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None, deterministic=True, mods=None):
+def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None, deterministic=True, mods=None, user=None):
     """(plan, (q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k) as the kernels read them)
     of a backward call. A plan without launches (no query or no key) stands for zero gradients."""
     arrays = (q, k, v, out, lse, dout)
     key = _signature("bwd" if deterministic else "bwd, any order", arrays, causal, window, scale, packed,
-                     mods and _mods.key(*mods))
+                     (mods and _mods.key(*mods), user and user.source.key))
     plan = _plans.get(key)
     if plan is not None:
         return plan, arrays + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))
     x = _checks.attention_inputs(q, k, v, causal, window, scale, packed, dout=dout, out=out, lse=lse)
-    x = _modified(x, mods)
+    x = _with_user(_modified(x, mods), user)
     cupy = _checks.require_cupy()
     out2, dout2, lse2 = _checks.backward_arrays(cupy, x, out=out, dout=dout, lse=lse)
     with x.q.device:

@@ -41,6 +41,18 @@ def trace(score_mod, mask_mod, batch_dims: int) -> UserMods | None:
     return UserMods(score_mod, mask_mod, score, mask, kept[2])
 
 
+def check_backward(score_mod, score_mod_grads, dbias_under_softcap: bool) -> None:
+    """What the GPU backward does not take yet with the call's functions (NotImplementedError;
+    cuflash.reference takes both): gradients of captured arrays, and dbias under softcap with a
+    score function (the kernels keep one factor per score, score_mod's times softcap's)."""
+    if score_mod_grads is not None:
+        raise NotImplementedError("cuflash.attention_backward does not take score_mod_grads yet "
+                                  "(cuflash.reference.attention_backward does)")
+    if score_mod is not None and dbias_under_softcap:
+        raise NotImplementedError("cuflash.attention_backward does not give dbias (bias_grad=True) with both "
+                                  "softcap and score_mod yet (cuflash.reference.attention_backward does)")
+
+
 def arguments(cupy, user: UserMods, batch_shape, device: int):
     """The kernels' user_args for a call over ``batch_shape``: the shape in
     `_trace.MAX_DIMS` words, then the descriptors of the arrays the functions capture (the score

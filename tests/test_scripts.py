@@ -27,6 +27,7 @@ SCRIPTS = [
     ("bench/decode.py", ["--out", "{tmp}"]),
     ("bench/modifiers.py", ["--out", "{tmp}"]),
     ("bench/block_mask.py", ["--out", "{tmp}"]),
+    ("bench/user_functions.py", ["--out", "{tmp}"]),
     ("bench/end_to_end.py", ["--out", "{tmp}"]),
     ("bench/ring_attention.py", ["--out", "{tmp}"]),
     ("bench/float32_accuracy.py", []),

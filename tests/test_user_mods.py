@@ -1,6 +1,6 @@
-"""cuflash.attention with its own score and mask functions (score_mod, mask_mod) on the GPU,
-against cuflash.reference running the same functions: the gallery of examples/score_functions.py
-and functions that read head indices and captured CuPy tables."""
+"""cuflash.attention and its backward with their own score and mask functions (score_mod,
+mask_mod) on the GPU, against cuflash.reference running the same functions: the gallery of
+examples/score_functions.py and functions that read head indices and captured CuPy tables."""
 
 import os
 import sys
@@ -65,6 +65,111 @@ def test_gallery_forward_matches_the_reference(dtype, d):
         assert_lse_close(cupy.asnumpy(lse), want_lse)
 
 
+def _host(*arrays):
+    import cupy
+
+    return tuple(cupy.asnumpy(x.astype(cupy.float32)).astype(np.float64) for x in arrays)
+
+
+def _grad_errors(got, want):
+    import cupy
+
+    return [np.abs(cupy.asnumpy(g).astype(np.float64) - w).max() for g, w in zip(got, want)]
+
+
+def _assert_grads_close(name, got, want, plain_errs, dtype):
+    """Each gradient within 3 times the error of the same call without the functions (the
+    accuracy criterion's plain backward), plus a few ulps at its scale; every element finite."""
+    import cupy
+
+    assert len(got) == len(want) == len(plain_errs), f"{name}: {len(got)} gradients, not {len(want)}"
+    labels = ("dq", "dk", "dv") + tuple(f"gradient {i} (dbias or dsinks)" for i in range(3, len(got)))
+    for label, g, w, plain in zip(labels, got, want, plain_errs):
+        g = cupy.asnumpy(g).astype(np.float64)
+        assert np.isfinite(g).all(), f"{name} {label}: {np.count_nonzero(~np.isfinite(g))} non-finite"
+        err = np.abs(g - w).max()
+        atol = 4 * eps(dtype) * max(1.0, np.abs(w).max())
+        assert err <= 3 * plain + atol, f"{name} {label}: error {err:.3g} > 3 x plain {plain:.3g} + {atol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gallery_backward_matches_the_reference(dtype, d):
+    """dq, dk, dv of each function (score_mod's derivative taken symbolically) against the
+    reference's, within three times the error of the same inputs without it; gradients
+    poisoned before the kernels write them; ragged N (not a multiple of the tiles), large logits."""
+    b, h, nq, nk = 2, 3, 200, 200
+    rng = np.random.default_rng(hash(("bwd", dtype, d)) % 2**32)
+    q = random_array(rng, (b, h, nq, d), dtype, scale=2.0)
+    k, v = (random_array(rng, (b, h, nk, d), dtype, scale=2.0) for _ in range(2))
+    dout = random_array(rng, (b, h, nq, d), dtype)
+    q64, k64, v64, dout64 = _host(q, k, v, dout)
+    out, vjp = cuflash.attention_vjp(q, k, v)
+    want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True)
+    plain_errs = _grad_errors(vjp(dout), reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse))
+    seed = int(rng.integers(2**31))
+    import cupy
+
+    on_host = functions(np, b, h, nq, np.random.default_rng(seed))
+    on_gpu = functions(cupy, b, h, nq, np.random.default_rng(seed))
+    for name, fns in on_gpu.items():
+        with poisoned_allocations():
+            out, vjp = cuflash.attention_vjp(q, k, v, **fns)
+            grads = vjp(dout)
+        want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True, **on_host[name])
+        want = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, **on_host[name])
+        _assert_grads_close(name, grads, want, plain_errs, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_functions_with_the_built_in_modifiers_backward(dtype):
+    """score_mod and mask_mod beside softcap, ALiBi and sinks (softcap's factor from the raw
+    scores), and beside a bias with its gradient and dropout: out, dq, dk, dv, dbias and dsinks
+    against the reference's."""
+    import cupy
+
+    b, h, nq, nk, d = 2, 4, 150, 190, 64
+    rng = np.random.default_rng(hash(("mods", dtype)) % 2**32)
+    q = random_array(rng, (b, h, nq, d), dtype, scale=2.0)
+    k, v = (random_array(rng, (b, h, nk, d), dtype, scale=2.0) for _ in range(2))
+    dout = random_array(rng, (b, h, nq, d), dtype)
+    q64, k64, v64, dout64 = _host(q, k, v, dout)
+    table = rng.standard_normal((h, 65)).astype(np.float32)
+    slopes = rng.uniform(0.01, 0.3, h).astype(np.float32)
+    sinks = rng.normal(0, 2, h).astype(np.float32)
+    bias = rng.standard_normal((h, nq, nk)).astype(np.float32)
+    cases = {
+        "softcap, ALiBi, sinks": lambda xp: {
+            "softcap": 20.0, "alibi_slopes": xp.asarray(slopes), "sinks": xp.asarray(sinks),
+            "score_mod": gallery.relative_position(xp.asarray(table)), "mask_mod": gallery.sliding_window(60)},
+        "bias with dbias, dropout": lambda xp: {
+            "bias": xp.asarray(bias), "bias_grad": True,
+            "dropout_p": 0.2, "seed": 1234, "score_mod": lambda s, bb, hh, i, j: s * 0.5 + cuflash.tanh(s) * 2.0,
+            "mask_mod": gallery.causal()},
+    }
+    for name, make in cases.items():
+        kw, host_kw = make(cupy), make(np)
+        if "bias" in kw:   # in the inputs' dtype, which the reference takes as it is
+            kw["bias"] = kw["bias"].astype(dtype)
+            (host_kw["bias"],) = _host(kw["bias"])
+        plain_kw = {key: value for key, value in kw.items() if key not in ("score_mod", "mask_mod")}
+        plain_host = {key: value for key, value in host_kw.items() if key not in ("score_mod", "mask_mod")}
+        forward_host = {key: value for key, value in plain_host.items() if key != "bias_grad"}
+        out, vjp = cuflash.attention_vjp(q, k, v, **plain_kw)
+        want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True, **forward_host)
+        plain_errs = _grad_errors(vjp(dout), reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse,
+                                                                          **plain_host))
+        with poisoned_allocations():
+            out, vjp = cuflash.attention_vjp(q, k, v, **kw)
+            grads = vjp(dout)
+        want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True,
+                                                 **{key: value for key, value in host_kw.items() if key != "bias_grad"})
+        want = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, **host_kw)
+        err = np.abs(cupy.asnumpy(out).astype(np.float64) - want_out).max()
+        assert err <= 8 * eps(dtype) * max(1.0, np.abs(want_out).max()), f"{name} out: error {err:.3g}"
+        _assert_grads_close(name, grads, want, plain_errs, dtype)
+
+
 def test_packed_sequences_see_positions_in_the_packed_arrays():
     """With cu_seqlens the functions get positions along the packed axis, as the reference
     gives them: a document mask over the packed arrays equals the same sequences run apart."""
@@ -89,6 +194,19 @@ def test_packed_sequences_see_positions_in_the_packed_arrays():
     plain_err = np.abs(cupy.asnumpy(plain).astype(np.float64) - apart).max()
     err = np.abs(cupy.asnumpy(out).astype(np.float64) - want).max()
     assert err <= 2 * plain_err + 4 * eps("bfloat16") * max(1.0, np.abs(want).max())
+    # and the backward: the document mask's gradients against the sequences' own
+    dout = random_array(rng, (h, total, d), "bfloat16")
+    (dout64,) = _host(dout)
+    packed = {"cu_seqlens_q": cu_gpu, "cu_seqlens_k": cu_gpu}
+    _, plain_lse = cuflash.attention(q, k, v, causal=True, return_lse=True, **packed)
+    plain_grads = cuflash.attention_backward(dout, q, k, v, plain, plain_lse, causal=True, **packed)
+    _, lse = cuflash.attention(q, k, v, mask_mod=masks["gpu"], return_lse=True, **packed)
+    with poisoned_allocations():
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, mask_mod=masks["gpu"], **packed)
+    want_lse = reference.attention(q64, k64, v64, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, return_lse=True)[1]
+    want = reference.attention_backward(dout64, q64, k64, v64, apart, want_lse, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        causal=True)
+    _assert_grads_close("document mask, packed", grads, want, _grad_errors(plain_grads, want), "bfloat16")
 
 
 def test_bad_functions_and_arrays_raise_before_any_launch(monkeypatch):
@@ -108,3 +226,13 @@ def test_bad_functions_and_arrays_raise_before_any_launch(monkeypatch):
         cuflash.attention(q, k, v, score_mod=gallery.relative_position(table))
     with pytest.raises(NotImplementedError, match="scale"):
         cuflash.attention(q, k, v, scale=0.0, score_mod=gallery.relative_position(cupy.asarray(table)))
+    out, lse = q, q[..., 0].astype(cupy.float32)   # (refused before anything reads them)
+    score_mod = gallery.relative_position(cupy.asarray(table))
+    with pytest.raises(NotImplementedError, match="score_mod_grads"):
+        cuflash.attention_backward(q, q, k, v, out, lse, score_mod=score_mod, score_mod_grads=[cupy.asarray(table)])
+    with pytest.raises(NotImplementedError, match="softcap"):
+        cuflash.attention_backward(q, q, k, v, out, lse, score_mod=score_mod, softcap=5.0,
+                                   bias=cupy.zeros((40, 40), q.dtype), bias_grad=True)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        cuflash.attention_vjp(q, k, v, score_mod=score_mod, softcap=5.0, bias=cupy.zeros((40, 40), q.dtype),
+                              bias_grad=True)

@@ -63,6 +63,8 @@ run_decode() { "$python" bench/decode.py --out "$out/decode"; }
 run_block_mask() { "$python" bench/block_mask.py --out "$out/block_mask"; }
 # shellcheck disable=SC2086  # MODIFIERS_ARGS: words on purpose
 run_modifiers() { "$python" bench/modifiers.py --out "$out/modifiers" ${MODIFIERS_ARGS:-}; }
+# shellcheck disable=SC2086  # USER_FUNCTIONS_ARGS: words on purpose
+run_user_functions() { "$python" bench/user_functions.py --out "$out/user_functions" ${USER_FUNCTIONS_ARGS:-}; }
 # shellcheck disable=SC2086  # END_TO_END_ARGS: words on purpose
 run_end_to_end() { "$python" bench/end_to_end.py --out "$out/end_to_end" ${END_TO_END_ARGS:-}; }
 
@@ -103,6 +105,7 @@ summary grid tail -n 3
 summary model_shapes tail -n 4
 summary decode tail -n 3
 summary modifiers grep -E "^- |picked"
+summary user_functions grep -E "^\| "
 summary end_to_end grep -E -A 6 "^training tokens/s|^loss curves"
 
 if [ "${PACK:-0}" = 1 ]; then

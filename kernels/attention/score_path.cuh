@@ -72,6 +72,21 @@ struct NoDrop {
     __device__ __forceinline__ float operator()(int, int, int, float x) const { return x; }
 };
 
+// The backward's factor of each score of a warp's 16 rows over S_TILES 8-wide tiles on the
+// user path (ON): d(the score the softmax sees) / d(the raw score), score_mod's derivative
+// times softcap's, taken in modify() where score_mod's input is at hand; 1 off it.
+template <bool ON_, int S_TILES>
+struct ScoreFactors {
+    static constexpr bool ON = false;
+    __device__ __forceinline__ float operator()(int, int) const { return 1.f; }
+};
+template <int S_TILES>
+struct ScoreFactors<true, S_TILES> {
+    static constexpr bool ON = true;
+    float d[S_TILES][4];
+    __device__ __forceinline__ float operator()(int nt, int e) const { return d[nt][e]; }
+};
+
 // lse in the log2 domain for p = exp2(scaled score - lse2); a row that sees no
 // key (lse = -inf) or lies past nq gets +inf, so its p is 0.
 __device__ __forceinline__ float lse_to_log2(float l) { return l == -CUFLASH_INF ? CUFLASH_INF : l * LOG2E; }
@@ -190,9 +205,24 @@ struct ScorePath {
     // two adds and an FMA per score (skipping it too spilled the portable D 96 dq pass).
     template <bool KEYS_IN_ROWS = false, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        ScoreFactors<false, N_TILES> none;
+        modify<KEYS_IN_ROWS>(s, row0, col0, none);
+    }
+    // The same, taking the backward's factors where they are ON (one 16-row tile: M_TILES 1):
+    // softcap's 1 - tanh^2 from the raw scores here, as p no longer tells the capped score.
+    template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES, class Factors>
+    __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, Factors& f) const {
+        if constexpr (Factors::ON) {
+            static_assert(M_TILES == 1, "the backward's factors cover one 16-row tile");
+            const bool cap = capped();
+            for_each_element<1, N_TILES>([&](int, int nt, int e) {
+                const float th = cap ? tanh_of<T>(float(s[0][nt][e]) * p.cap_inv) : 0.f;
+                f.d[nt][e] = fmaf(-th, th, 1.f);
+            });
+        }
         cap_and_alibi<KEYS_IN_ROWS>(s, row0, col0);
         if (biased()) add_bias<KEYS_IN_ROWS>(s, row0, col0);
-        if constexpr (Scores::USER) apply_user<KEYS_IN_ROWS>(s, row0, col0);
+        if constexpr (Scores::USER) apply_user<KEYS_IN_ROWS>(s, row0, col0, f);
     }
     // modify() with the bias from the block's tile in shared memory (`staged_bias`): Tile's
     // layout at s_tile, the warp's rows from tile_row0 of it, the block's keys from its first
@@ -221,7 +251,10 @@ struct ScorePath {
                     s[mt][nt][2 * h] += Score(b0 * p.slope_unit);
                     s[mt][nt][2 * h + 1] += Score(b1 * p.slope_unit);
                 }
-        if constexpr (Scores::USER) apply_user<false>(s, row0, col0);
+        if constexpr (Scores::USER) {
+            ScoreFactors<false, N_TILES> none;
+            apply_user<false>(s, row0, col0, none);
+        }
     }
     // softcap and ALiBi (MODIFIED), the steps before the bias
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
@@ -262,15 +295,21 @@ struct ScorePath {
 
     // The call's score function on each score (in scaled units, as it takes them) and its mask
     // function (-inf where it refuses the key), at the positions in the arrays: the sequence's
-    // first row and key plus its own (the reference's positions for packed sequences).
-    template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
-    __device__ __forceinline__ void apply_user(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+    // first row and key plus its own (the reference's positions for packed sequences). Factors
+    // ON: each factor times the score function's derivative there, 0 past the sequence's rows
+    // and keys (whose p is 0, but whose derivative may not be finite).
+    template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES, class Factors>
+    __device__ __forceinline__ void apply_user(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, Factors& f) const {
         const float scale = 1.f / p.slope_unit;
         for_each_element<M_TILES, N_TILES>([&](int mt, int nt, int e) {
             int i, j;
             position_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e, i, j);
             const long long qi = q0 + i, kj = k0 + j;
-            const float x = Scores::score(float(s[mt][nt][e]) * scale, entry, qi, kj, p.user_args);
+            const float in = float(s[mt][nt][e]) * scale;
+            if constexpr (Factors::ON) {
+                f.d[nt][e] = i < nq && j < nk ? f.d[nt][e] * Scores::dscore(in, entry, qi, kj, p.user_args) : 0.f;
+            }
+            const float x = Scores::score(in, entry, qi, kj, p.user_args);
             const bool kept = !Scores::MASK || Scores::allowed(entry, qi, kj, p.user_args);
             s[mt][nt][e] = Score(kept ? x * p.slope_unit : -CUFLASH_INF);
         });
@@ -492,12 +531,19 @@ struct ScorePath {
 
     // p^T from s^T in place, 0 where masked: rows are keys (the warp's from key_row0 of
     // [n0, n_end)), columns queries of [m0, m_end) with their lse2 from shared memory
-    // (RAW: lse as stored).
+    // (RAW: lse as stored); and the factors of ds (ScoreFactors), where ON.
     template <bool RAW = false, int S_TILES>
     __device__ __forceinline__ void transposed_probabilities(float (&st)[1][S_TILES][4], const Band& band, int m0,
                                                              int m_end, int n0, int n_end, int key_row0,
                                                              float scale_log2, const float* lse2) const {
-        modify<true>(st, key_row0, m0);
+        ScoreFactors<false, S_TILES> none;
+        transposed_probabilities<RAW>(st, band, m0, m_end, n0, n_end, key_row0, scale_log2, lse2, none);
+    }
+    template <bool RAW = false, int S_TILES, class Factors>
+    __device__ __forceinline__ void transposed_probabilities(float (&st)[1][S_TILES][4], const Band& band, int m0,
+                                                             int m_end, int n0, int n_end, int key_row0,
+                                                             float scale_log2, const float* lse2, Factors& f) const {
+        modify<true>(st, key_row0, m0, f);
         if (masks_anywhere() || band.cuts(m0, m_end, n0, n_end)) {
             apply_band<true>(st, band, key_row0, m0);
             by_col<true, RAW>(st, scale_log2, lse2);
@@ -512,7 +558,14 @@ struct ScorePath {
     __device__ __forceinline__ void row_probabilities(float (&s)[1][S_TILES][4], const Band& band, int m0, int m_end,
                                                       int n0, int n_end, int row0, float scale_log2,
                                                       const float (&lse2)[2]) const {
-        modify(s, row0, n0);
+        ScoreFactors<false, S_TILES> none;
+        row_probabilities(s, band, m0, m_end, n0, n_end, row0, scale_log2, lse2, none);
+    }
+    template <int S_TILES, class Factors>
+    __device__ __forceinline__ void row_probabilities(float (&s)[1][S_TILES][4], const Band& band, int m0, int m_end,
+                                                      int n0, int n_end, int row0, float scale_log2,
+                                                      const float (&lse2)[2], Factors& f) const {
+        modify<false>(s, row0, n0, f);
         if (masks_anywhere() || band.cuts(m0, m_end, n0, n_end)) {
             apply_band(s, band, row0, n0);
             by_row<true>(s, scale_log2, lse2);
@@ -544,37 +597,40 @@ struct ScorePath {
     // from key_row0, each query column's delta and lse2 (RAW: lse) from shared memory (or
     // taken from there per fragment element), from m0; row_ds: rows are queries from row0,
     // the thread's two deltas and lse2, keys from n0.
-    // mask: dropout's (keep_mask), applied to dp; none by default.
-    template <bool RAW = false, int S_TILES, class Mask = NoDrop>
+    // mask: dropout's (keep_mask), applied to dp; none by default. f: the factors of the
+    // probabilities' pass (ScoreFactors), where ON in place of chained()'s.
+    template <bool RAW = false, int S_TILES, class Mask = NoDrop, class Factors = ScoreFactors<false, S_TILES>>
     __device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
                                                   const float* delta, const float* lse2, int key_row0, int m0,
-                                                  const Mask& mask = {}) const {
+                                                  const Mask& mask = {}, const Factors& f = {}) const {
         const int t = threadIdx.x % 4;
         ds_by<true, RAW>(dpt, pt, [&](int nt, int e) { return delta[nt * 8 + 2 * t + (e & 1)]; },
-                         [&](int nt, int e) { return lse2[nt * 8 + 2 * t + (e & 1)]; }, key_row0, m0, mask);
+                         [&](int nt, int e) { return lse2[nt * 8 + 2 * t + (e & 1)]; }, key_row0, m0, mask, f);
     }
     template <int S_TILES>
     __device__ __forceinline__ void transposed_ds(float (&dpt)[1][S_TILES][4], const float (&pt)[1][S_TILES][4],
                                                   const float (&delta)[1][S_TILES][4],
                                                   const float (&lse2)[1][S_TILES][4], int key_row0, int m0) const {
         ds_by<true, false>(dpt, pt, [&](int nt, int e) { return delta[0][nt][e]; },
-                           [&](int nt, int e) { return lse2[0][nt][e]; }, key_row0, m0, NoDrop{});
+                           [&](int nt, int e) { return lse2[0][nt][e]; }, key_row0, m0, NoDrop{},
+                           ScoreFactors<false, S_TILES>{});
     }
-    template <int S_TILES, class Mask = NoDrop>
+    template <int S_TILES, class Mask = NoDrop, class Factors = ScoreFactors<false, S_TILES>>
     __device__ __forceinline__ void row_ds(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4],
                                            const float (&delta)[2], const float (&lse2)[2], int row0, int n0,
-                                           const Mask& mask = {}) const {
+                                           const Mask& mask = {}, const Factors& f = {}) const {
         ds_by<false, false>(dp, p, [&](int, int e) { return delta[e >> 1]; }, [&](int, int e) { return lse2[e >> 1]; },
-                            row0, n0, mask);
+                            row0, n0, mask, f);
     }
 
     // The dq pass's dbias (FULL): dS = p (dp' - delta) before softcap's factor, dp' dp through
     // dropout's mask, for the warp's rows from row0 and keys from col0 of the sequence, into
-    // `dbias`, the entry's nq x nk float32 rows.
-    template <int S_TILES, class Mask>
+    // `dbias`, the entry's nq x nk float32 rows; times the factors f, where ON (the user path's,
+    // where the call has no softcap: score_mod's derivative).
+    template <int S_TILES, class Mask, class Factors = ScoreFactors<false, S_TILES>>
     __device__ __forceinline__ void store_dbias(float* dbias, const float (&dp)[1][S_TILES][4],
                                                 const float (&prob)[1][S_TILES][4], const float (&delta)[2], int row0,
-                                                int col0, const Mask& mask) const {
+                                                int col0, const Mask& mask, const Factors& f = {}) const {
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt)
@@ -582,15 +638,16 @@ struct ScorePath {
             for (int e = 0; e < 4; ++e) {
                 const int row = row0 + g + 8 * (e >> 1), col = col0 + nt * 8 + 2 * t + (e & 1);
                 if (row < nq && col < nk) {
-                    dbias[index_t(row) * nk + col] = prob[0][nt][e] * (mask(0, nt, e, dp[0][nt][e]) - delta[e >> 1]);
+                    dbias[index_t(row) * nk + col] =
+                        prob[0][nt][e] * f(nt, e) * (mask(0, nt, e, dp[0][nt][e]) - delta[e >> 1]);
                 }
             }
     }
 
-    template <bool KEYS_IN_ROWS, bool RAW, int S_TILES, class Delta, class Lse2, class Mask>
+    template <bool KEYS_IN_ROWS, bool RAW, int S_TILES, class Delta, class Lse2, class Mask, class Factors>
     __device__ __forceinline__ void ds_by(float (&dp)[1][S_TILES][4], const float (&p)[1][S_TILES][4], Delta delta,
-                                          Lse2 lse2, int row0, int col0, const Mask& mask) const {
-        if (capped()) {
+                                          Lse2 lse2, int row0, int col0, const Mask& mask, const Factors& f) const {
+        if (!Factors::ON && capped()) {
             // (row0 through an opaque move: ALiBi's distances are then recomputed here, where
             // the compiler would rather keep modify()'s through the products, in registers)
             int row0_here;
@@ -610,7 +667,9 @@ struct ScorePath {
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (mask(0, nt, e, dp[0][nt][e]) - delta(nt, e));
+                for (int e = 0; e < 4; ++e) {
+                    dp[0][nt][e] = p[0][nt][e] * f(nt, e) * (mask(0, nt, e, dp[0][nt][e]) - delta(nt, e));
+                }
         }
     }
 };

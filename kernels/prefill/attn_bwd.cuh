@@ -150,6 +150,7 @@ attn_bwd_dkdv(const BwdParams p) {
     const Band band(p, w);
     // (a pass with ALiBi does not group: its query entries are one, each with its slope)
     const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, p.group_member(w.entry, 0), w);
+    using Factors = ScoreFactors<Scores::USER, S_TILES>;   // (the user path's: ds's factors)
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int mb_begin, mb_end;
     band.query_blocks<STEP>(n0, n_end, nq, mb_begin, mb_end);
@@ -200,7 +201,9 @@ attn_bwd_dkdv(const BwdParams p) {
         mma_rows_rows<T, RTile, STile, HEAD_DIM, Cfg::K_UNROLL>(st, s_k, warp_row0, q_st);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
-        path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
+        Factors factors;
+        path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2,
+                                      factors);
 
         // dv += p^T dout (through dropout's mask, which dp^T takes too)
         const auto kept = path.template keep_mask<true, S_TILES>(n0 + warp_row0, m0);
@@ -212,7 +215,7 @@ attn_bwd_dkdv(const BwdParams p) {
         mma_rows_rows<T, RTile, STile, HEAD_DIM, Cfg::K_UNROLL>(dpt, s_v, warp_row0, do_st);
 
         // ds^T = p^T (dp^T - delta of each query column)
-        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0, kept);
+        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0, kept, factors);
 
         // dk += ds^T q (scaled at the end)
         mma_regs_cols<T, STile>(acc_dk, dpt, q_st, col0);
@@ -271,6 +274,7 @@ attn_bwd_dq(const BwdParams p) {
 
     const Band band(p, w);
     const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, w.entry, w);
+    using Factors = ScoreFactors<Scores::USER, S_TILES>;
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
@@ -308,7 +312,8 @@ attn_bwd_dq(const BwdParams p) {
         float s[1][S_TILES][4];
         fill_zero(s);
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(s, s_q, warp_row0, k_st);
-        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
+        Factors factors;
+        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2, factors);
 
         // dp = dout v^T
         float dp[1][S_TILES][4];
@@ -320,10 +325,11 @@ attn_bwd_dq(const BwdParams p) {
         const auto kept = path.template keep_mask<false, S_TILES>(m0 + warp_row0, n0);
         if constexpr (Scores::FULL) {
             if (p.dbias) {
-                path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept);
+                path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept,
+                                 factors);
             }
         }
-        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0, kept);
+        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0, kept, factors);
         mma_regs_cols<T, STile>(acc_dq, dp, k_st, col0);
         __syncthreads();
     }

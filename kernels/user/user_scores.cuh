@@ -1,7 +1,7 @@
 // user_scores.cuh: UserScores, the score path of a call's own score and mask functions
 // (cuflash.attention's score_mod and mask_mod). Joined as text after the kernels' source and
 // the generated functions (cuflash._codegen: the preamble and user_mods_source, which defines
-// cuflash_user_score, cuflash_user_mask and CUFLASH_USER_MASK); ScorePath calls it where
+// cuflash_user_score, cuflash_user_dscore, cuflash_user_mask and CUFLASH_USER_MASK); ScorePath calls it where
 // Scores::USER (attention/score_path.cuh), beside FullScores' modifiers.
 //
 // The call's arguments (AttnParams::user_args), one int64 array on the device (cuflash/_user.py):
@@ -25,6 +25,10 @@ struct UserScores {
     // The score function of scaled score s, of row i and key j of flat batch entry `entry`
     __device__ __forceinline__ static float score(float s, u32 entry, long long i, long long j, const void* args) {
         return cuflash_user_score(s, entry, shape(args), i, j, arrays(args));
+    }
+    // The score function's derivative with respect to its score there (the backward's)
+    __device__ __forceinline__ static float dscore(float s, u32 entry, long long i, long long j, const void* args) {
+        return cuflash_user_dscore(s, entry, shape(args), i, j, arrays(args));
     }
     // Whether the mask function lets row i see key j
     __device__ __forceinline__ static bool allowed(u32 entry, long long i, long long j, const void* args) {

@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""Score and mask functions: cuflash against FlexAttention on the same functions, and against its built-ins.
+
+Each function of the gallery (examples/score_functions.py) as cuflash's score_mod or mask_mod,
+against torch.compile(flex_attention) with the same function (its mask as a block mask from
+create_block_mask), and against cuflash's built-in keyword that computes the same attention,
+where one exists; forward and backward, in one process on one GPU.
+
+    python bench/user_functions.py --out DIR            # fp16 and bf16, D 64 and 128, N 2048..16384
+    python bench/user_functions.py --out DIR --quick    # bf16, D 128, N 4096
+    python bench/user_functions.py --list               # the cases (no GPU)
+
+Functions (B 2, H 16, N x N, layout (B, H, N, D)), and the built-in each is compared with:
+  causal             mask i >= j                       causal=True
+  window 256         mask j <= i, j >= i - 256         causal=True, window=(256, 0)
+  softcap 50         50 tanh(s / 50)                   softcap=50.0
+  alibi              s - slope[h] |i - j| (BLOOM's)    alibi_slopes
+  relative position  s + table[h, clamp(j - i, -128, 128) + 128], a float32 (H, 257) table
+  prefix-LM          j <= i or j < prefix[b], prefixes drawn in [0, N)
+  document           64 documents per entry, causal within each (drawn lengths)
+                                                       the same batch packed: cu_seqlens, causal=True
+cuflash evaluates every score of every tile (no block skipping yet), so a mask function costs
+what the dense call costs. FlexAttention: compiled afresh per case (torch._dynamo.reset()),
+fullgraph, static shapes; its first call's seconds in "flex_compile_s". cuflash's first call
+with a new function (trace and compile; kernels cached on disk from an earlier run are not
+recompiled) in "first_call_s"; "host_us": the host time a repeat call with the function adds to
+the same call without it (wall clock of back-to-back calls on one small problem, per call).
+Times are CUDA-event medians of --repeat runs over two input sets, the backward timed alone.
+Writes results.json (rewritten after every row) and prints the table: milliseconds, and the
+ratios "x flex" (flex's time over cuflash's) and "x built-in" (the built-in's over the function's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import cuflash  # noqa: E402
+import bench_attention  # noqa: E402
+import model_shapes  # noqa: E402
+import score_functions as gallery  # noqa: E402
+from bench_attention import free, log, run_meta, time_torch_fn, torch  # noqa: E402
+from modifiers import FLEX_MISSING, bloom_alibi_slopes  # noqa: E402
+
+try:
+    import cupy
+except ImportError:
+    cupy = None
+
+if torch is not None and FLEX_MISSING is None:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+FUNCTIONS = ("causal", "window 256", "softcap 50", "alibi", "relative position", "prefix-LM", "document")
+GRID = {"dtype": ("float16", "bfloat16"), "D": (64, 128), "N": (2048, 4096, 8192, 16384)}
+QUICK = {"dtype": ("bfloat16",), "D": (128,), "N": (4096,)}
+B, H, WINDOW, REACH, DOCUMENTS = 2, 16, 256, 128, 64
+
+
+def captures(n, seed=0):
+    """The arrays the functions read (NumPy), drawn from `seed`: slopes, the relative-position
+    table, the prefixes and the document ids with their lengths."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, n), DOCUMENTS - 1, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [n]]))
+    return {"slopes": bloom_alibi_slopes(H), "table": rng.standard_normal((H, 2 * REACH + 1)).astype(np.float32),
+            "prefix": rng.integers(0, n, B).astype(np.int32),
+            "docs": np.tile(np.repeat(np.arange(DOCUMENTS), lengths), (B, 1)).astype(np.int32), "lengths": lengths}
+
+
+def cuflash_keywords(name, c):
+    """cuflash's keywords for function `name` (captured arrays as CuPy arrays), and its built-in's
+    (None where there is none)."""
+    g = {key: cupy.asarray(value) for key, value in c.items() if key != "lengths"}
+    return {
+        "causal": ({"mask_mod": gallery.causal()}, {"causal": True}),
+        "window 256": ({"mask_mod": gallery.sliding_window(WINDOW)}, {"causal": True, "window": (WINDOW, 0)}),
+        "softcap 50": ({"score_mod": gallery.softcap(50.0)}, {"softcap": 50.0}),
+        "alibi": ({"score_mod": gallery.alibi(g["slopes"])}, {"alibi_slopes": g["slopes"]}),
+        "relative position": ({"score_mod": gallery.relative_position(g["table"])}, None),
+        "prefix-LM": ({"mask_mod": gallery.prefix_lm(g["prefix"])}, None),
+        "document": ({"mask_mod": gallery.document(g["docs"])}, "packed"),
+    }[name]
+
+
+def flex_keywords(name, c, n):
+    """FlexAttention's score_mod and block mask for function `name` (the arrays as torch tensors)."""
+    t = {key: torch.from_dlpack(cupy.asarray(value)) for key, value in c.items() if key != "lengths"}
+    score_mod, mask, per_batch = None, None, False
+    if name == "causal":
+        def mask(b, h, i, j):
+            return i >= j
+    elif name == "window 256":
+        def mask(b, h, i, j):
+            return (j <= i) & (j >= i - WINDOW)
+    elif name == "softcap 50":
+        def score_mod(s, b, h, i, j):
+            return 50.0 * torch.tanh(s / 50.0)
+    elif name == "alibi":
+        def score_mod(s, b, h, i, j):
+            return s - t["slopes"][h] * (i - j).abs()
+    elif name == "relative position":
+        def score_mod(s, b, h, i, j):
+            return s + t["table"][h, (j - i).clamp(-REACH, REACH) + REACH]
+    elif name == "prefix-LM":
+        per_batch = True
+
+        def mask(b, h, i, j):
+            return (j <= i) | (j < t["prefix"][b])
+    else:
+        per_batch = True
+
+        def mask(b, h, i, j):
+            return (t["docs"][b, i] == t["docs"][b, j]) & (j <= i)
+    block_mask = None if mask is None else create_block_mask(mask, B if per_batch else None, None, n, n, device="cuda")
+    return {"score_mod": score_mod, "block_mask": block_mask}
+
+
+def flex_call(keywords):
+    def call(q, k, v):
+        return flex_attention(q, k, v, **keywords)
+    return call
+
+
+def attempt(row, provider, fn):
+    """Times fn() into row["ms"][provider]; an error goes to row["skipped"] instead."""
+    try:
+        ms = fn()
+    except Exception as err:   # not in this cuflash yet, not compiled by flex, out of memory
+        row["skipped"][provider] = model_shapes.describe(err)
+        log(f"  {provider}: {row['skipped'][provider]}")
+        return
+    finally:
+        free()
+    row["ms"][provider] = ms
+    log(f"  {provider:10s} {ms:9.3f} ms")
+
+
+def packed(data, c):
+    """The input sets as packed sequences (H, B * N, D), and cu_seqlens of the documents."""
+    cu = np.concatenate([[0], np.cumsum(np.tile(c["lengths"], B))]).astype(np.int32)
+    sets = [tuple(cupy.ascontiguousarray(x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])) for x in s)
+            for s in data]
+    cu = cupy.asarray(cu)
+    return sets, {"cu_seqlens_q": cu, "cu_seqlens_k": cu}
+
+
+def first_call_s(data, kwargs):
+    """Seconds of cuflash's first forward and backward with these functions, made afresh here:
+    the trace, the generated source and its kernels (compiled, or read from the disk cache)."""
+    q, k, v, do = data[0]
+    start = time.perf_counter()
+    out, vjp = cuflash.attention_vjp(q, k, v, **kwargs)
+    vjp(do)
+    cupy.cuda.Device().synchronize()
+    return time.perf_counter() - start
+
+
+def host_us(kwargs, calls=300):
+    """The wall time per call that the functions add to the same forward without them, on a
+    problem small enough that the host sets the pace (B 1, H 2, N 128, D 64)."""
+    rng = cupy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 128, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+    builtin = {"causal": True} if "mask_mod" in kwargs else {}
+
+    def per_call(kw):
+        for _ in range(20):
+            cuflash.attention(q, k, v, **kw)
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            cuflash.attention(q, k, v, **kw)
+        cupy.cuda.Device().synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    return per_call(kwargs) - per_call(builtin)
+
+
+def run_shape(dtype, d, n, args, names):
+    c = captures(n)
+    data = bench_attention.make_inputs(B, H, n, d, dtype)
+    tdata = [tuple(torch.from_dlpack(x) for x in s) for s in data] if torch is not None else None
+    rows = []
+    for name in names:
+        mine, builtin = cuflash_keywords(name, c)
+        flex = None
+        if not args.no_flex and FLEX_MISSING is None:
+            torch._dynamo.reset()
+            fk = flex_keywords(name, c, n)
+            torch._functorch.config.donated_buffer = False   # (the backward replays one graph)
+            flex = torch.compile(flex_call(fk), fullgraph=True, dynamic=False)
+        for direction in args.directions:
+            log(f"{dtype} D {d} N {n} {name} {direction}")
+            row = {"function": name, "dtype": dtype, "D": d, "N": n, "B": B, "H": H, "direction": direction,
+                   "ms": {}, "skipped": {}}
+            if direction == "fwd":
+                row["first_call_s"] = first_call_s(data, mine)
+                row["host_us"] = host_us(mine)
+            attempt(row, "cuflash", lambda: bench_attention.time_attention(cuflash, data, False, direction,
+                                                                           args.repeat, **mine))
+            if builtin == "packed":
+                sets, cu = packed(data, c)
+                attempt(row, "built-in", lambda: bench_attention.time_attention(cuflash, sets, True, direction,
+                                                                                args.repeat, **cu))
+                sets = None
+            elif builtin is not None:
+                kw = dict(builtin)
+                causal = kw.pop("causal", False)
+                attempt(row, "built-in", lambda: bench_attention.time_attention(cuflash, data, causal, direction,
+                                                                                args.repeat, **kw))
+            if flex is not None:
+                q, k, v, do = tdata[0]
+                start = time.perf_counter()
+                if direction == "fwd":
+                    flex(q, k, v)
+                else:
+                    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+                    torch.autograd.grad(flex(q, k, v), (q, k, v), do)
+                torch.cuda.synchronize()
+                row["flex_compile_s"] = time.perf_counter() - start
+                attempt(row, "flex", lambda: time_torch_fn(flex, tdata, direction, args.repeat))
+            rows.append(row)
+            free()
+    return rows
+
+
+def print_table(rows):
+    head = ["dtype", "D", "N", "function", "dir", "cuflash ms", "flex ms", "built-in ms", "x flex", "x built-in",
+            "first call s", "host us"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        ms = r["ms"]
+        mine = ms.get("cuflash")
+        cells = [r["dtype"], str(r["D"]), str(r["N"]), r["function"], r["direction"],
+                 f"{mine:.3f}" if mine else "-", f"{ms['flex']:.3f}" if "flex" in ms else "",
+                 f"{ms['built-in']:.3f}" if "built-in" in ms else "",
+                 f"{ms['flex'] / mine:.2f}" if mine and "flex" in ms else "",
+                 f"{ms['built-in'] / mine:.2f}" if mine and "built-in" in ms else "",
+                 f"{r['first_call_s']:.2f}" if "first_call_s" in r else "",
+                 f"{r['host_us']:.1f}" if "host_us" in r else ""]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/user_functions")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
+    parser.add_argument("--dtypes", nargs="+")
+    parser.add_argument("--head-dims", nargs="+", type=int)
+    parser.add_argument("--seqlens", nargs="+", type=int)
+    parser.add_argument("--functions", nargs="+", choices=FUNCTIONS, default=list(FUNCTIONS))
+    parser.add_argument("--directions", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    grid = QUICK if args.quick else GRID
+    cells = list(itertools.product(args.dtypes or grid["dtype"], args.head_dims or grid["D"],
+                                   args.seqlens or grid["N"]))
+    if args.list:
+        for dtype, d, n in cells:
+            print(f"{dtype} D {d} N {n}: {', '.join(args.functions)} ({' '.join(args.directions)})"
+                  + ("" if args.no_flex or FLEX_MISSING is None else f"; flex skipped: {FLEX_MISSING}"))
+        return
+    try:
+        cuflash.require_gpu()   # without a GPU: the reason in one line, not a CUDA traceback
+    except RuntimeError as err:
+        sys.exit(f"user_functions.py: {err}")
+    os.makedirs(args.out, exist_ok=True)
+    results = {"meta": run_meta(args.repeat, flex=not args.no_flex and FLEX_MISSING is None), "rows": []}
+    for dtype, d, n in cells:
+        results["rows"] += run_shape(dtype, d, n, args, args.functions)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print_table(results["rows"])
+
+
+if __name__ == "__main__":
+    main()
