@@ -185,10 +185,10 @@ def host_us(kwargs, calls=300):
 
 
 def run_shape(dtype, d, n, args, names):
+    """The shape's rows, one at a time."""
     c = captures(n)
     data = bench_attention.make_inputs(B, H, n, d, dtype)
     tdata = [tuple(torch.from_dlpack(x) for x in s) for s in data] if torch is not None else None
-    rows = []
     for name in names:
         mine, builtin = cuflash_keywords(name, c)
         flex = None
@@ -227,9 +227,8 @@ def run_shape(dtype, d, n, args, names):
                 torch.cuda.synchronize()
                 row["flex_compile_s"] = time.perf_counter() - start
                 attempt(row, "flex", lambda: time_torch_fn(flex, tdata, direction, args.repeat))
-            rows.append(row)
+            yield row
             free()
-    return rows
 
 
 def print_table(rows):
@@ -278,9 +277,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     results = {"meta": run_meta(args.repeat, flex=not args.no_flex and FLEX_MISSING is None), "rows": []}
     for dtype, d, n in cells:
-        results["rows"] += run_shape(dtype, d, n, args, args.functions)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        for row in run_shape(dtype, d, n, args, args.functions):
+            results["rows"].append(row)
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(results, f, indent=1)
     print_table(results["rows"])
 
 
