@@ -15,6 +15,7 @@ as in Python, and give 0 for a zero divisor, as NumPy's do.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -127,11 +128,10 @@ class Source:
 
     text: str
     names: tuple
+    key: str = dataclasses.field(init=False, compare=False)   # a stable hash of the text, for caches
 
-    @property
-    def key(self) -> str:
-        """A stable hash of the text, for compilation caches."""
-        return hashlib.sha256(self.text.encode()).hexdigest()[:20]
+    def __post_init__(self):
+        object.__setattr__(self, "key", hashlib.sha256(self.text.encode()).hexdigest()[:20])
 
 
 def float_literal(value: float) -> str:

@@ -5,6 +5,7 @@ arguments each call passes them. cuflash.reference runs the same functions on Nu
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,10 +54,22 @@ def check_backward(score_mod, score_mod_grads, dbias_under_softcap: bool) -> Non
                                   "softcap and score_mod yet (cuflash.reference.attention_backward does)")
 
 
+# The arguments of earlier calls on the device, by their words: a call whose batch shape and
+# captured arrays (pointers, shapes, strides) match an earlier one's reuses its array rather than
+# copying the words again (a copy from pageable memory waits for the stream's earlier work).
+# Never written once made, and never freed: an array made on one stream may be read on another,
+# so one given back to CuPy's pool could be handed out while a kernel still reads it. Past
+# ARGUMENTS_KEPT distinct words, a call copies its own.
+ARGUMENTS_KEPT = 1024
+_arguments: dict = {}
+_arguments_lock = threading.Lock()
+
+
 def arguments(cupy, user: UserMods, batch_shape, device: int):
     """The kernels' user_args for a call over ``batch_shape``: the shape in
     `_trace.MAX_DIMS` words, then the descriptors of the arrays the functions capture (the score
-    function's first), on the device; TypeError for a captured array not on ``device``."""
+    function's first), on the device (made once per distinct words, up to `ARGUMENTS_KEPT` of them);
+    TypeError for a captured array not on ``device``."""
     arrays = []
     for fn, traced in ((user.score_mod, user.score), (user.mask_mod, user.mask)):
         if traced is not None:
@@ -66,4 +79,11 @@ def arguments(cupy, user: UserMods, batch_shape, device: int):
     shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
     shape[:len(batch_shape)] = batch_shape
     words = np.concatenate([shape, _codegen.descriptors(arrays).view(np.int64)])
-    return cupy.asarray(words)
+    key = (device, words.tobytes())
+    kept = _arguments.get(key)
+    if kept is None:
+        kept = cupy.asarray(words)
+        with _arguments_lock:
+            if len(_arguments) < ARGUMENTS_KEPT:
+                kept = _arguments.setdefault(key, kept)
+    return kept

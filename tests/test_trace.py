@@ -677,3 +677,44 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
     assert len(spills) == len(names) and all(n == 0 for kernel, n in spills if kernel == "attn_fwd"), log
     # (the dense dq pass spills 12 bytes for sm_80: docs/design.md, "Score and mask functions")
     assert max(n for _, n in spills) <= 16, log
+
+
+def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
+    """_user.arguments copies a call's words (batch shape, captured arrays' descriptors) to the
+    device once: the same shape and arrays again reuse that array; another array, another shape
+    or another device make their own; past ARGUMENTS_KEPT each call copies its own."""
+    from cuflash import _user
+
+    class FakeCupy:
+        copies = []
+
+        @classmethod
+        def asarray(cls, words):
+            cls.copies.append(words.copy())
+            return words.copy()
+
+    monkeypatch.setattr(_trace, "check_devices", lambda traced, arrays, device: None)
+    monkeypatch.setattr(_user, "_arguments", {})
+    table = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+    def score_mod(score, b, h, q, k):
+        return score + table[h, q - k]
+
+    user = _user.trace(score_mod, None, 2)
+    first = _user.arguments(FakeCupy, user, (2, 3), 0)
+    assert _user.arguments(FakeCupy, user, (2, 3), 0) is first
+    assert len(FakeCupy.copies) == 1
+    np.testing.assert_array_equal(first[:_trace.MAX_DIMS], [2, 3] + [0] * (_trace.MAX_DIMS - 2))
+    assert first[_trace.MAX_DIMS] == table.ctypes.data
+    assert _user.arguments(FakeCupy, user, (2, 4), 0) is not first
+    assert _user.arguments(FakeCupy, user, (2, 3), 1) is not first
+    tables = [table]   # (each kept alive: a new array must not take a freed one's address)
+    table = np.ones((3, 4), dtype=np.float32)   # the function now reads another array
+    tables.append(table)
+    moved = _user.arguments(FakeCupy, user, (2, 3), 0)
+    assert moved[_trace.MAX_DIMS] == table.ctypes.data and len(FakeCupy.copies) == 4
+    monkeypatch.setattr(_user, "ARGUMENTS_KEPT", len(_user._arguments))
+    table = np.zeros((3, 4), dtype=np.float32)
+    tables.append(table)
+    assert _user.arguments(FakeCupy, user, (2, 3), 0) is not _user.arguments(FakeCupy, user, (2, 3), 0)
+    assert len(FakeCupy.copies) == 6
