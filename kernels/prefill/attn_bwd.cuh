@@ -194,6 +194,10 @@ attn_bwd_dkdv(const BwdParams p) {
         const float* delta = s_delta + stage * STEP;
         const int m0 = mb * STEP;
         mb = steps.next_block(mb);
+        // a step the call's block mask leaves empty is skipped (uniform over the block: the
+        // stage it leaves unread is refilled only after the next step's barrier)
+        const TileKind kind = path.tile(m0, m0 + STEP, n0, n_end);
+        if (kind == TileKind::EMPTY) continue;
 
         // s^T = k q^T (rows: this warp's keys; columns: the step's queries)
         float st[1][S_TILES][4];
@@ -203,7 +207,7 @@ attn_bwd_dkdv(const BwdParams p) {
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
         Factors factors;
         path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2,
-                                      factors);
+                                      factors, kind);
 
         // dv += p^T dout (through dropout's mask, which dp^T takes too)
         const auto kept = path.template keep_mask<true, S_TILES>(n0 + warp_row0, m0);
@@ -307,13 +311,18 @@ attn_bwd_dq(const BwdParams p) {
         __syncthreads();
         const u32 k_st = s_k + stage * STEP_BYTES, v_st = s_v + stage * STEP_BYTES;
         const int n0 = nb * STEP;
+        // a block the call's block mask leaves empty is skipped (uniform over the block, as in
+        // the dk/dv pass; skipping its loads too spilled the dense pass)
+        const TileKind kind = path.tile(m0, m_end, n0, n0 + STEP);
+        if (kind == TileKind::EMPTY) continue;
 
         // s = q k^T, then p = exp2(s * scale_log2 - lse2)
         float s[1][S_TILES][4];
         fill_zero(s);
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(s, s_q, warp_row0, k_st);
         Factors factors;
-        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2, factors);
+        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2, factors,
+                               kind);
 
         // dp = dout v^T
         float dp[1][S_TILES][4];

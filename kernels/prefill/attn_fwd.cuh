@@ -133,14 +133,17 @@ attn_fwd(const AttnParams p) {
     OnlineSoftmax<T, M_TILES> softmax(p.scale_log2_lo);
     const float scale_log2 = p.scale_log2;
 
-    if (nb_begin < nb_end) {
+    // the key blocks the call's block mask leaves empty are skipped, loads and all
+    TileKind kind, next_kind;
+    int nb = path.template next_key_block<BLOCK_N>(nb_begin, nb_end, m0, m_end, kind);
+    if (nb < nb_end) {
         load_tile_async<QTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
-        load_kv(nb_begin, 0);
+        load_kv(nb, 0);
         cp_async_commit();
     }
-    for (int nb = nb_begin; nb < nb_end; ++nb) {
-        const int stage = (nb - nb_begin) & 1;
-        if (nb + 1 < nb_end) load_kv(nb + 1, stage ^ 1);
+    for (int stage = 0; nb < nb_end; stage ^= 1) {
+        const int next = path.template next_key_block<BLOCK_N>(nb + 1, nb_end, m0, m_end, next_kind);
+        if (next < nb_end) load_kv(next, stage ^ 1);
         cp_async_commit();       // possibly empty: keeps one group per step
         cp_async_wait<1>();      // block nb (and Q) have landed
         __syncthreads();
@@ -151,9 +154,10 @@ attn_fwd(const AttnParams p) {
         mma_rows_rows<T, QTile, KTile, HEAD_DIM, Cfg::QK_UNROLL>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
         const int n0 = nb * BLOCK_N;
         if (STAGED_BIAS && staged) {
-            path.template modify_staged<BiasTile>(s, m0 + warp_row0, n0, s_b + stage * BiasTile::BYTES, warp_row0);
+            path.template modify_staged<BiasTile>(s, m0 + warp_row0, n0, s_b + stage * BiasTile::BYTES, warp_row0,
+                                                  kind);
         } else {
-            path.modify(s, m0 + warp_row0, n0);
+            path.modify(s, m0 + warp_row0, n0, kind);
         }
 
         // p = exp2((s - m) * scale_log2 - P_SHIFT), with m, l and acc brought up to date;
@@ -169,6 +173,8 @@ attn_fwd(const AttnParams p) {
         // acc += p v
         mma_regs_cols<T, VTile>(acc, s, s_v + stage * VTile::BYTES, 0);
         __syncthreads();         // the stage just read is the next one refilled
+        nb = next;
+        kind = next_kind;
     }
 
     float lse[M_TILES][2];
