@@ -48,6 +48,38 @@ struct FullScores {
 // PARTIAL on every other path.
 enum class TileKind : int { EMPTY = 0, PARTIAL = 1, FULL = 2 };
 
+// A loop's walk over the tiles of a call's block mask (ON: the user path). A warp looks up 32
+// tiles at once, a lane each (kind_of(b): tile b's kind, EMPTY past the loop's last), and keeps
+// their kinds as two ballots, so that most steps read no memory: a lookup per step, a dependent
+// load before the step's own loads, ran the forward slower than evaluating the mask function at
+// every element. The loops are uniform over the block, so every lane takes part. Off the user
+// path every tile is PARTIAL and nothing is looked up.
+template <bool ON>
+struct BlockWalk {
+    template <class KindOf>
+    __device__ __forceinline__ TileKind at(int, const KindOf&) { return TileKind::PARTIAL; }
+};
+template <>
+struct BlockWalk<true> {
+    int base = -64;   // the first of the 32 tiles looked up (none yet)
+    u32 some = 0, all = 0;
+
+    template <class KindOf>
+    __device__ __forceinline__ void look_up(int b, const KindOf& kind_of) {
+        base = b;
+        const TileKind kind = kind_of(b + int(threadIdx.x % 32));
+        some = __ballot_sync(0xffffffffu, kind != TileKind::EMPTY);
+        all = __ballot_sync(0xffffffffu, kind == TileKind::FULL);
+    }
+    // tile b's kind
+    template <class KindOf>
+    __device__ __forceinline__ TileKind at(int b, const KindOf& kind_of) {
+        if (unsigned(b - base) >= 32u) look_up(b, kind_of);
+        const u32 bit = 1u << (b - base);
+        return (all & bit) ? TileKind::FULL : ((some & bit) ? TileKind::PARTIAL : TileKind::EMPTY);
+    }
+};
+
 // fn(mt, nt, e) for each element e of each m16n8 C fragment (mt, nt) a thread holds, unrolled
 template <int M_TILES, int N_TILES, class Fn>
 __device__ __forceinline__ void for_each_element(Fn&& fn) {
@@ -214,20 +246,6 @@ struct ScorePath {
             return TileKind::PARTIAL;
         }
     }
-    // The first block of BLOCK keys from nb on, before nb_end, that the block mask does not
-    // leave empty for rows [m0, m_end), with its kind; nb_end if none (nb itself off the user path)
-    template <int BLOCK>
-    __device__ __forceinline__ int next_key_block(int nb, int nb_end, int m0, int m_end, TileKind& kind) const {
-        kind = TileKind::PARTIAL;
-        if constexpr (Scores::USER) {
-            for (; nb < nb_end; ++nb) {
-                kind = tile(m0, m_end, nb * BLOCK, (nb + 1) * BLOCK);
-                if (kind != TileKind::EMPTY) break;
-            }
-        }
-        return nb;
-    }
-
     // Raw scores to the scores the softmax sees, in place (before the mask). Fragments as
     // in apply_band: row0/col0 locate the warp's first element; KEYS_IN_ROWS: transposed.
     // softcap switched off is skipped (a uniform branch per tile); ALiBi's term with slope 0 is

@@ -133,20 +133,27 @@ attn_fwd(const AttnParams p) {
     OnlineSoftmax<T, M_TILES> softmax(p.scale_log2_lo);
     const float scale_log2 = p.scale_log2;
 
-    // the key blocks the call's block mask leaves empty are skipped, loads and all
-    TileKind kind, next_kind;
-    int nb = path.template next_key_block<BLOCK_N>(nb_begin, nb_end, m0, m_end, kind);
-    if (nb < nb_end) {
+    BlockWalk<Scores::USER> walk;
+    const auto kind_of = [&](int b) {
+        return b < nb_end ? path.tile(m0, m_end, b * BLOCK_N, (b + 1) * BLOCK_N) : TileKind::EMPTY;
+    };
+    if (nb_begin < nb_end) {
         load_tile_async<QTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
-        load_kv(nb, 0);
+        load_kv(nb_begin, 0);
         cp_async_commit();
     }
-    for (int stage = 0; nb < nb_end; stage ^= 1) {
-        const int next = path.template next_key_block<BLOCK_N>(nb + 1, nb_end, m0, m_end, next_kind);
-        if (next < nb_end) load_kv(next, stage ^ 1);
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+        const int stage = (nb - nb_begin) & 1;
+        if (nb + 1 < nb_end) load_kv(nb + 1, stage ^ 1);
         cp_async_commit();       // possibly empty: keeps one group per step
         cp_async_wait<1>();      // block nb (and Q) have landed
         __syncthreads();
+        // a key block the call's block mask leaves empty is skipped (uniform over the block: the
+        // stage it leaves unread is refilled only after the next step's barrier). Its loads are
+        // not: skipping them too changed the loop of every path, and the plain D 128 forward
+        // spilled.
+        const TileKind kind = walk.at(nb, kind_of);
+        if (kind == TileKind::EMPTY) continue;
 
         // s = q k^T for this warp's rows and the block's keys (double for float32: common.cuh)
         typename T::dot_sum s[M_TILES][N_TILES][4];
@@ -173,8 +180,6 @@ attn_fwd(const AttnParams p) {
         // acc += p v
         mma_regs_cols<T, VTile>(acc, s, s_v + stage * VTile::BYTES, 0);
         __syncthreads();         // the stage just read is the next one refilled
-        nb = next;
-        kind = next_kind;
     }
 
     float lse[M_TILES][2];
