@@ -53,12 +53,10 @@ enum class TileKind : int { EMPTY = 0, PARTIAL = 1, FULL = 2 };
 // their kinds as two ballots, so that most steps read no memory: a lookup per step, a dependent
 // load before the step's own loads, ran the forward slower than evaluating the mask function at
 // every element. The loops are uniform over the block, so every lane takes part. Off the user
-// path every tile is PARTIAL and nothing is looked up.
+// path it is empty and the loops look nothing up (behind `if constexpr`: code there at all,
+// folded away or not, moved the other paths' instructions).
 template <bool ON>
-struct BlockWalk {
-    template <class KindOf>
-    __device__ __forceinline__ TileKind at(int, const KindOf&) { return TileKind::PARTIAL; }
-};
+struct BlockWalk {};
 template <>
 struct BlockWalk<true> {
     int base = -64;   // the first of the 32 tiles looked up (none yet)

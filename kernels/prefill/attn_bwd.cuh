@@ -184,9 +184,6 @@ attn_bwd_dkdv(const BwdParams p) {
     }
     int mb = steps.mb_begin;   // the query block of step j
     BlockWalk<Scores::USER> walk;
-    const auto kind_of = [&](int b) {
-        return b < steps.mb_end ? path.tile(b * STEP, (b + 1) * STEP, n0, n_end) : TileKind::EMPTY;
-    };
     for (int j = 0; j < steps.count; ++j) {
         const int stage = j & 1;
         if (j + 1 < steps.count) load_step(j + 1, stage ^ 1);
@@ -199,7 +196,12 @@ attn_bwd_dkdv(const BwdParams p) {
         const int m0 = mb * STEP;
         // a step the call's block mask leaves empty is skipped (uniform over the block: the
         // stage it leaves unread is refilled only after the next step's barrier)
-        const TileKind kind = walk.at(mb, kind_of);
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(mb, [&](int b) {
+                return b < steps.mb_end ? path.tile(b * STEP, (b + 1) * STEP, n0, n_end) : TileKind::EMPTY;
+            });
+        }
         mb = steps.next_block(mb);
         if (kind == TileKind::EMPTY) continue;
 
@@ -308,9 +310,6 @@ attn_bwd_dq(const BwdParams p) {
         cp_async_commit();
     }
     BlockWalk<Scores::USER> walk;
-    const auto kind_of = [&](int b) {
-        return b < nb_end ? path.tile(m0, m_end, b * STEP, (b + 1) * STEP) : TileKind::EMPTY;
-    };
     for (int nb = nb_begin; nb < nb_end; ++nb) {
         const int stage = (nb - nb_begin) & 1;
         if (nb + 1 < nb_end) load_step(nb + 1, stage ^ 1);
@@ -321,8 +320,13 @@ attn_bwd_dq(const BwdParams p) {
         const int n0 = nb * STEP;
         // a block the call's block mask leaves empty is skipped (uniform over the block, as in
         // the dk/dv pass; skipping its loads too spilled the dense pass)
-        const TileKind kind = walk.at(nb, kind_of);
-        if (kind == TileKind::EMPTY) continue;
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(nb, [&](int b) {
+                return b < nb_end ? path.tile(m0, m_end, b * STEP, (b + 1) * STEP) : TileKind::EMPTY;
+            });
+            if (kind == TileKind::EMPTY) continue;
+        }
 
         // s = q k^T, then p = exp2(s * scale_log2 - lse2)
         float s[1][S_TILES][4];

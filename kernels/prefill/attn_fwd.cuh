@@ -134,9 +134,6 @@ attn_fwd(const AttnParams p) {
     const float scale_log2 = p.scale_log2;
 
     BlockWalk<Scores::USER> walk;
-    const auto kind_of = [&](int b) {
-        return b < nb_end ? path.tile(m0, m_end, b * BLOCK_N, (b + 1) * BLOCK_N) : TileKind::EMPTY;
-    };
     if (nb_begin < nb_end) {
         load_tile_async<QTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
         load_kv(nb_begin, 0);
@@ -152,8 +149,13 @@ attn_fwd(const AttnParams p) {
         // stage it leaves unread is refilled only after the next step's barrier). Its loads are
         // not: skipping them too changed the loop of every path, and the plain D 128 forward
         // spilled.
-        const TileKind kind = walk.at(nb, kind_of);
-        if (kind == TileKind::EMPTY) continue;
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(nb, [&](int b) {
+                return b < nb_end ? path.tile(m0, m_end, b * BLOCK_N, (b + 1) * BLOCK_N) : TileKind::EMPTY;
+            });
+            if (kind == TileKind::EMPTY) continue;
+        }
 
         // s = q k^T for this warp's rows and the block's keys (double for float32: common.cuh)
         typename T::dot_sum s[M_TILES][N_TILES][4];
