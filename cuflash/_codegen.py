@@ -303,12 +303,17 @@ def mask_mod_source(traced: Traced, name: str = "cuflash_mask_mod") -> Source:
 DESCRIPTOR = np.dtype([("ptr", "<u8"), ("shape", "<i8", (MAX_DIMS,)), ("stride", "<i8", (MAX_DIMS,))])
 
 
+def data_pointer(a) -> int:
+    """The address of a CuPy or NumPy array's first element."""
+    return a.data.ptr if type(a).__module__.split(".")[0] == "cupy" else a.ctypes.data
+
+
 def descriptors(arrays) -> np.ndarray:
     """The descriptors of captured arrays (CuPy or NumPy: a data pointer, shape and strides in
     elements), one per slot; one zeroed where there are none (a kernel takes a valid pointer)."""
     out = np.zeros(max(len(arrays), 1), dtype=DESCRIPTOR)
     for i, a in enumerate(arrays):
-        out["ptr"][i] = a.data.ptr if type(a).__module__.split(".")[0] == "cupy" else a.ctypes.data
+        out["ptr"][i] = data_pointer(a)
         out["shape"][i, :a.ndim] = a.shape
         out["stride"][i, :a.ndim] = [st // a.itemsize for st in a.strides]
     return out

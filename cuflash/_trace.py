@@ -474,7 +474,7 @@ def _captured(fn):
             if id(value) not in order:
                 order[id(value)] = len(arrays)
                 arrays.append(value)
-            signature.append((path, _dtype_name(value), tuple(value.shape)))
+            signature.append((path, value.dtype, tuple(value.shape)))   # (the dtype: its name is slow to get)
         else:
             signature.append((path, type(value).__name__, repr(value)))
 
@@ -488,14 +488,21 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def trace(fn, role: str, batch_dims: int) -> Traced:
     """The trace of score function (``role="score_mod"``) or mask function (``"mask_mod"``)
     ``fn`` for ``batch_dims`` batch dims, from the cache when its signature was traced before."""
+    return trace_call(fn, role, batch_dims)[0]
+
+
+def trace_call(fn, role: str, batch_dims: int) -> tuple[Traced, list]:
+    """`trace`, and the arrays ``fn`` reads now in the trace's slots (as `captured_arrays`
+    gives them: one walk of the function for both, where a call needs both)."""
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"{role} must be a Python function (def or lambda), got {type(fn).__name__}")
     arrays, order, signature = _captured(fn)
     key = (role, batch_dims, signature)
     per_function = _CACHE.setdefault(fn, {})
-    if key not in per_function:
-        per_function[key] = _trace(fn, role, batch_dims, arrays, order)
-    return per_function[key]
+    traced = per_function.get(key)
+    if traced is None:
+        traced = per_function[key] = _trace(fn, role, batch_dims, arrays, order)
+    return traced, [arrays[p] for p in traced.positions]
 
 
 def captured_arrays(fn, traced: Traced) -> list:

@@ -15,14 +15,16 @@ from . import _codegen, _trace
 
 @dataclass(frozen=True)
 class UserMods:
-    """The functions of a call and their traces (None where absent), and the generated source
-    the kernels are compiled with (its ``key`` part of the call's plan)."""
+    """The functions of a call and their traces (None where absent), the generated source the
+    kernels are compiled with (its ``key`` part of the call's plan), and the arrays the functions
+    read at this call (the score function's, then the mask function's, in their traces' slots)."""
 
     score_mod: object
     mask_mod: object
     score: _trace.Traced | None
     mask: _trace.Traced | None
     source: _codegen.Source
+    arrays: tuple = ()
 
 
 _sources: dict = {}   # ids of (score trace, mask trace) -> (the traces, their source), made once
@@ -33,13 +35,13 @@ def trace(score_mod, mask_mod, batch_dims: int) -> UserMods | None:
     without either."""
     if score_mod is None and mask_mod is None:
         return None
-    score = None if score_mod is None else _trace.trace(score_mod, "score_mod", batch_dims)
-    mask = None if mask_mod is None else _trace.trace(mask_mod, "mask_mod", batch_dims)
+    score, score_arrays = (None, []) if score_mod is None else _trace.trace_call(score_mod, "score_mod", batch_dims)
+    mask, mask_arrays = (None, []) if mask_mod is None else _trace.trace_call(mask_mod, "mask_mod", batch_dims)
     key = (id(score), id(mask))   # (each entry keeps its traces, so their ids stay theirs)
     kept = _sources.get(key)
     if kept is None:
         kept = _sources[key] = (score, mask, _codegen.user_mods_source(score, mask))
-    return UserMods(score_mod, mask_mod, score, mask, kept[2])
+    return UserMods(score_mod, mask_mod, score, mask, kept[2], (*score_arrays, *mask_arrays))
 
 
 def check_backward(score_mod, score_mod_grads, dbias_under_softcap: bool) -> None:
@@ -70,19 +72,18 @@ def arguments(cupy, user: UserMods, batch_shape, device: int):
     `_trace.MAX_DIMS` words, then the descriptors of the arrays the functions capture (the score
     function's first), on the device (made once per distinct words, up to `ARGUMENTS_KEPT` of them);
     TypeError for a captured array not on ``device``."""
-    arrays = []
-    for fn, traced in ((user.score_mod, user.score), (user.mask_mod, user.mask)):
+    arrays = user.arrays
+    scored = 0 if user.score is None else len(user.score.positions)
+    for traced, captured in ((user.score, arrays[:scored]), (user.mask, arrays[scored:])):
         if traced is not None:
-            captured = _trace.captured_arrays(fn, traced)
             _trace.check_devices(traced, captured, device)
-            arrays += captured
-    shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
-    shape[:len(batch_shape)] = batch_shape
-    words = np.concatenate([shape, _codegen.descriptors(arrays).view(np.int64)])
-    key = (device, words.tobytes())
+    # (what the words are made of, without making them: a pointer, shape and strides per array)
+    key = (device, tuple(batch_shape), *((_codegen.data_pointer(a), a.shape, a.strides) for a in arrays))
     kept = _arguments.get(key)
     if kept is None:
-        kept = cupy.asarray(words)
+        shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
+        shape[:len(batch_shape)] = batch_shape
+        kept = cupy.asarray(np.concatenate([shape, _codegen.descriptors(arrays).view(np.int64)]))
         with _arguments_lock:
             if len(_arguments) < ARGUMENTS_KEPT:
                 kept = _arguments.setdefault(key, kept)

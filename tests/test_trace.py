@@ -681,8 +681,9 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
 
 def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
     """_user.arguments copies a call's words (batch shape, captured arrays' descriptors) to the
-    device once: the same shape and arrays again reuse that array; another array, another shape
-    or another device make their own; past ARGUMENTS_KEPT each call copies its own."""
+    device once: the same shape and arrays again reuse that array; another array (read by the
+    call's trace, as each call makes it), another shape or another device make their own; past
+    ARGUMENTS_KEPT each call copies its own."""
     from cuflash import _user
 
     class FakeCupy:
@@ -711,10 +712,13 @@ def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
     tables = [table]   # (each kept alive: a new array must not take a freed one's address)
     table = np.ones((3, 4), dtype=np.float32)   # the function now reads another array
     tables.append(table)
+    assert _user.arguments(FakeCupy, user, (2, 3), 0) is first   # (the call that traced the old one)
+    user = _user.trace(score_mod, None, 2)
     moved = _user.arguments(FakeCupy, user, (2, 3), 0)
     assert moved[_trace.MAX_DIMS] == table.ctypes.data and len(FakeCupy.copies) == 4
     monkeypatch.setattr(_user, "ARGUMENTS_KEPT", len(_user._arguments))
     table = np.zeros((3, 4), dtype=np.float32)
     tables.append(table)
+    user = _user.trace(score_mod, None, 2)
     assert _user.arguments(FakeCupy, user, (2, 3), 0) is not _user.arguments(FakeCupy, user, (2, 3), 0)
     assert len(FakeCupy.copies) == 6
