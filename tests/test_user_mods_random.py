@@ -1,0 +1,89 @@
+"""cuflash.attention and attention_backward with generated score and mask functions (the random
+expression trees of tests/test_trace.py: arithmetic, tanh, exp, sqrt, log, reads of captured
+tables, comparisons and bool logic) on random shapes, dtypes and head dims, against
+cuflash.reference running the same functions on NumPy arrays."""
+
+import math
+
+import numpy as np
+from conftest import assert_lse_close, eps, poisoned_allocations, random_array, requires_gpu
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from test_trace import FLAGS, IDS, TABLE, bools, floats, make_function
+from test_user_mods import _assert_grads_close, _grad_errors, _host
+
+import cuflash
+from cuflash import _trace, reference
+
+pytestmark = requires_gpu
+
+# Each example compiles its own kernels (a forward and two backward passes): a few per run.
+SLOW = dict(max_examples=8, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+
+
+@settings(**SLOW)
+@given(score_tree=floats(2, smooth=True), mask_tree=bools(2, score=False), which=st.sampled_from(["score", "mask", "both"]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), d=st.sampled_from([32, 64, 128]), b=st.integers(1, 2),
+       h=st.integers(1, 3), nq=st.integers(1, 150), nk=st.integers(1, 150), seed=st.integers(0, 2**31 - 1))
+def test_generated_functions_match_the_reference(score_tree, mask_tree, which, dtype, d, b, h, nq, nk, seed):
+    """out and lse, then dq, dk, dv, within the plain call's error as the gallery's tests bound
+    them. Score functions are continuous (no comparison of the score: float32 and float64 scores
+    may fall on either side of a threshold) and keep the scores they make under 100 in
+    magnitude (float32 keeps such logits to 1e-5); mask functions may leave rows with no key."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    q = random_array(rng, (b, h, nq, d), dtype, scale=1.5)
+    k, v = (random_array(rng, (b, h, nk, d), dtype, scale=1.5) for _ in range(2))
+    dout = random_array(rng, (b, h, nq, d), dtype)
+    q64, k64, v64, dout64 = _host(q, k, v, dout)
+    on_gpu, on_host = {}, {}
+    tables_gpu = tuple(cupy.asarray(x) for x in (TABLE, IDS, FLAGS))
+    if which in ("score", "both"):
+        on_host["score_mod"] = make_function(score_tree, TABLE, IDS, FLAGS)
+        on_gpu["score_mod"] = make_function(score_tree, *tables_gpu)
+        scores = q64 @ k64.swapaxes(-1, -2) / math.sqrt(d)
+        grids = _trace.index_grids((b, h), np.arange(nq), np.arange(nk))
+        with np.errstate(all="ignore"):
+            made = np.broadcast_to(np.asarray(_trace.call(on_host["score_mod"], scores, *grids), dtype=np.float64),
+                                   scores.shape)
+        assume(np.isfinite(made).all() and np.abs(made).max() < 100)
+    if which in ("mask", "both"):
+        on_host["mask_mod"] = make_function(mask_tree, TABLE, IDS, FLAGS, role="mask_mod")
+        on_gpu["mask_mod"] = make_function(mask_tree, *tables_gpu, role="mask_mod")
+
+    want, want_lse = reference.attention(q64, k64, v64, return_lse=True, **on_host)
+    with np.errstate(all="ignore"):
+        want_grads = reference.attention_backward(dout64, q64, k64, v64, want, want_lse, **on_host)
+    assume(all(np.isfinite(g).all() for g in want_grads))   # (0 * inf where sqrt or log meet 0)
+
+    plain, plain_lse = cuflash.attention(q, k, v, return_lse=True)
+    plain_want, plain_want_lse = reference.attention(q64, k64, v64, return_lse=True)
+    plain_err = np.abs(cupy.asnumpy(plain).astype(np.float64) - plain_want).max()
+    plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain, plain_lse),
+                              reference.attention_backward(dout64, q64, k64, v64, plain_want, plain_want_lse))
+
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **on_gpu)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **on_gpu)
+    err = np.abs(cupy.asnumpy(out).astype(np.float64) - want).max()
+    atol = 4 * eps(dtype) * max(1.0, np.abs(want).max())
+    assert err <= 2 * plain_err + atol, f"out: error {err:.3g} > 2 x plain {plain_err:.3g} + {atol:.3g}"
+    assert_lse_close(cupy.asnumpy(lse), want_lse)
+    _assert_grads_close("generated functions", grads, want_grads, plain_errs, dtype)
+
+
+def test_a_generated_mask_with_no_key_for_any_row():
+    """A generated-style mask function that refuses every key: out 0, lse -inf, gradients 0,
+    as the reference gives them."""
+    import cupy
+
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (random_array(rng, (1, 2, 33, 64), "float16") for _ in range(4))
+    mask_mod = make_function(("lt", ("index", 2), ("const", -1)), TABLE, IDS, FLAGS, role="mask_mod")   # q_idx < -1
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, mask_mod=mask_mod, return_lse=True)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, mask_mod=mask_mod)
+    assert not cupy.asnumpy(out).any() and np.isneginf(cupy.asnumpy(lse)).all()
+    assert all(not cupy.asnumpy(g).any() for g in grads)
