@@ -15,9 +15,8 @@ as in Python, and give 0 for a zero divisor, as NumPy's do.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -128,7 +127,7 @@ class Source:
 
     text: str
     names: tuple
-    key: str = dataclasses.field(init=False, compare=False)   # a stable hash of the text, for caches
+    key: str = field(init=False, compare=False)   # a stable hash of the text, for caches
 
     def __post_init__(self):
         object.__setattr__(self, "key", hashlib.sha256(self.text.encode()).hexdigest()[:20])

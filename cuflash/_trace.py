@@ -502,13 +502,17 @@ def trace_call(fn, role: str, batch_dims: int) -> tuple[Traced, list]:
     traced = per_function.get(key)
     if traced is None:
         traced = per_function[key] = _trace(fn, role, batch_dims, arrays, order)
-    return traced, [arrays[p] for p in traced.positions]
+    return traced, _in_slots(arrays, traced)
 
 
 def captured_arrays(fn, traced: Traced) -> list:
     """The arrays ``fn`` reads now, in ``traced``'s slots (``traced`` from `trace` of the same call:
     their dtypes and shapes are the traced ones, their data are read here, never kept)."""
-    arrays, _, _ = _captured(fn)
+    return _in_slots(_captured(fn)[0], traced)
+
+
+def _in_slots(arrays, traced: Traced) -> list:
+    """Captured arrays (in walk order) in ``traced``'s slots."""
     return [arrays[p] for p in traced.positions]
 
 

@@ -5,7 +5,6 @@ arguments each call passes them. cuflash.reference runs the same functions on Nu
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +63,6 @@ def check_backward(score_mod, score_mod_grads, dbias_under_softcap: bool) -> Non
 # ARGUMENTS_KEPT distinct words, a call copies its own.
 ARGUMENTS_KEPT = 1024
 _arguments: dict = {}
-_arguments_lock = threading.Lock()
 
 
 def arguments(cupy, user: UserMods, batch_shape, device: int):
@@ -84,7 +82,6 @@ def arguments(cupy, user: UserMods, batch_shape, device: int):
         shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
         shape[:len(batch_shape)] = batch_shape
         kept = cupy.asarray(np.concatenate([shape, _codegen.descriptors(arrays).view(np.int64)]))
-        with _arguments_lock:
-            if len(_arguments) < ARGUMENTS_KEPT:
-                kept = _arguments.setdefault(key, kept)
+        if len(_arguments) < ARGUMENTS_KEPT:   # (setdefault: one array per key, whichever thread comes first)
+            kept = _arguments.setdefault(key, kept)
     return kept
