@@ -19,8 +19,10 @@ Functions (B 2, H 16, N x N, layout (B, H, N, D)), and the built-in each is comp
   prefix-LM          j <= i or j < prefix[b], prefixes drawn in [0, N)
   document           64 documents per entry, causal within each (drawn lengths)
                                                        the same batch packed: cu_seqlens, causal=True
-cuflash evaluates every score of every tile (no block skipping yet), so a mask function costs
-what the dense call costs. FlexAttention: compiled afresh per case (torch._dynamo.reset()),
+A mask function reaches cuflash as a block mask (cuflash.block_mask, built once per case as
+create_block_mask is, per batch entry where the function reads b; its milliseconds after a first
+build in "block_mask_ms"), so the kernels skip its empty tiles and test no element of its full
+ones. FlexAttention: compiled afresh per case (torch._dynamo.reset()),
 fullgraph, static shapes; its first call's seconds in "flex_compile_s". cuflash's first call
 with a new function (trace and compile; kernels cached on disk from an earlier run are not
 recompiled) in "first_call_s"; "host_us": the host time a repeat call with the function adds to
@@ -144,6 +146,24 @@ def attempt(row, provider, fn):
     log(f"  {provider:10s} {ms:9.3f} ms")
 
 
+def with_block_mask(kwargs, name, n):
+    """cuflash's keywords with the mask function as its block mask (per batch entry for the
+    functions that read b), and the block mask's build time in milliseconds (after a first build,
+    which compiles its kernel); the keywords unchanged and None without a mask function."""
+    if "mask_mod" not in kwargs:
+        return kwargs, None
+    kw = dict(kwargs)
+    mask = kw.pop("mask_mod")
+    batch = (B, 1) if name in ("prefix-LM", "document") else (1, 1)
+    cuflash.block_mask(mask, batch, n, n)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    kw["block_mask"] = cuflash.block_mask(mask, batch, n, n)
+    end.record()
+    end.synchronize()
+    return kw, cupy.cuda.get_elapsed_time(start, end)
+
+
 def packed(data, c):
     """The input sets as packed sequences (H, B * N, D), and cu_seqlens of the documents."""
     cu = np.concatenate([[0], np.cumsum(np.tile(c["lengths"], B))]).astype(np.int32)
@@ -164,12 +184,16 @@ def first_call_s(data, kwargs):
     return time.perf_counter() - start
 
 
-def host_us(kwargs, calls=300):
-    """The wall time per call that the functions add to the same forward without them, on a
-    problem small enough that the host sets the pace (B 1, H 2, N 128, D 64)."""
+def host_us(functions, calls=300):
+    """The wall time per call that the functions (a mask function as its block mask) add to the
+    same forward without them, on a problem small enough that the host sets the pace (B 1, H 2,
+    N 128, D 64)."""
     rng = cupy.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 128, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
-    builtin = {"causal": True} if "mask_mod" in kwargs else {}
+    builtin = {"causal": True} if "mask_mod" in functions else {}
+    kwargs = dict(functions)
+    if "mask_mod" in kwargs:   # (the gallery's mask functions read b at most through a clamped index)
+        kwargs["block_mask"] = cuflash.block_mask(kwargs.pop("mask_mod"), (1, 1), 128, 128)
 
     def per_call(kw):
         for _ in range(20):
@@ -191,6 +215,8 @@ def run_shape(dtype, d, n, args, names):
     tdata = [tuple(torch.from_dlpack(x) for x in s) for s in data] if torch is not None else None
     for name in names:
         mine, builtin = cuflash_keywords(name, c)
+        functions = mine
+        mine, block_mask_ms = with_block_mask(mine, name, n)
         flex = None
         if not args.no_flex and FLEX_MISSING is None:
             torch._dynamo.reset()
@@ -203,7 +229,9 @@ def run_shape(dtype, d, n, args, names):
                    "ms": {}, "skipped": {}}
             if direction == "fwd":
                 row["first_call_s"] = first_call_s(data, mine)
-                row["host_us"] = host_us(mine)
+                row["host_us"] = host_us(functions)
+                if block_mask_ms is not None:
+                    row["block_mask_ms"] = block_mask_ms
             attempt(row, "cuflash", lambda: bench_attention.time_attention(cuflash, data, False, direction,
                                                                            args.repeat, **mine))
             if builtin == "packed":
@@ -233,7 +261,7 @@ def run_shape(dtype, d, n, args, names):
 
 def print_table(rows):
     head = ["dtype", "D", "N", "function", "dir", "cuflash ms", "flex ms", "built-in ms", "x flex", "x built-in",
-            "first call s", "host us"]
+            "first call s", "host us", "block mask ms"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
@@ -245,7 +273,8 @@ def print_table(rows):
                  f"{ms['flex'] / mine:.2f}" if mine and "flex" in ms else "",
                  f"{ms['built-in'] / mine:.2f}" if mine and "built-in" in ms else "",
                  f"{r['first_call_s']:.2f}" if "first_call_s" in r else "",
-                 f"{r['host_us']:.1f}" if "host_us" in r else ""]
+                 f"{r['host_us']:.1f}" if "host_us" in r else "",
+                 f"{r['block_mask_ms']:.2f}" if "block_mask_ms" in r else ""]
         print("| " + " | ".join(cells) + " |")
 
 

@@ -45,7 +45,7 @@ _NO_LISTS = types.MappingProxyType({})
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
               softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
-              score_mod=None, mask_mod=None):
+              score_mod=None, mask_mod=None, block_mask=None):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` on the GPU.
 
     A fused FlashAttention kernel: q, k and v stream through on-chip memory in
@@ -125,6 +125,11 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     mask_mod : callable, optional
         ``mask_mod(*batch_indices, q_idx, kv_idx)``: whether the row may see the key, with the
         mask above. With packed sequences both see positions in the packed arrays.
+    block_mask : BlockMask, optional
+        ``cuflash.block_mask(mask_mod, batch_shape, Nq, Nk)`` for a batch shape that broadcasts
+        to the call's: its ``mask_mod`` applies (leave ``mask_mod`` out, or pass that same
+        function), and the kernels skip the tiles it leaves empty and evaluate no mask function
+        in those it leaves full.
 
     The modifiers apply in the order scale, softcap, bias, ALiBi, score_mod, mask (with
     mask_mod), sinks, dropout (docs/contract.md).
@@ -144,8 +149,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     dropout_p, seed = _checks.check_dropout(dropout_p, seed)
     mods = _mods(softcap, alibi_slopes, sinks, bias, dropout_p)
-    user = _user.trace(score_mod, mask_mod, max(getattr(x, "ndim", 2) for x in (q, k, v)) - 2)
+    user = _user_functions(score_mod, mask_mod, block_mask, q, k, v)
     plan, (q_, k_, v_, cu_q, cu_k) = _plans.forward(q, k, v, causal, window, scale, packed, mods, user)
+    _checks.check_block_mask_fits(block_mask, plan.shapes[1][:-1], plan.shapes[1][-1], k.shape[-2])
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
         out = cupy.empty(plan.shapes[0], dtype=q_.dtype)
@@ -155,7 +161,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         lists = _tile_lists(cupy, plan.launches)
         counter = _launch.tile_counter(cupy, plan.device) if plan.launches.counted else None
         entries = _per_entry(cupy, mods, plan.shapes[1][:-1])
-        user_args = None if user is None else _user.arguments(cupy, user, plan.shapes[1][:-1], plan.device)
+        user_args = None if user is None else _user.arguments(cupy, user, plan.shapes[1][:-1], plan.device,
+                                                               block_mask)
         arrays = (q_, k_, v_, out, lse, cu_q, cu_k, lists.get(_launch.Q_TILES), *entries, bias, seed or 0, user_args,
                   counter)
         for launch in plan.launches.runs:
@@ -163,6 +170,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         if out.shape[-1] != v.shape[-1]:   # dv padded for the kernels: the padding columns are 0
             out = cupy.ascontiguousarray(out[..., : v.shape[-1]])
     return (out, lse) if return_lse else out
+
+
+def _user_functions(score_mod, mask_mod, block_mask, q, k, v):
+    """The call's score and mask functions traced (`_user.trace`; the block mask's function
+    where given), or None without either."""
+    mask_mod = _checks.block_mask_function(mask_mod, block_mask)
+    return _user.trace(score_mod, mask_mod, max(getattr(x, "ndim", 2) for x in (q, k, v)) - 2)
 
 
 def _per_entry(cupy, mods, batch_shape):
@@ -175,7 +189,8 @@ def _per_entry(cupy, mods, batch_shape):
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
                        deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                       seed=None, bias_grad=False, score_mod=None, mask_mod=None, score_mod_grads=None):
+                       seed=None, bias_grad=False, score_mod=None, mask_mod=None, block_mask=None,
+                       score_mod_grads=None):
     """Gradients of ``attention`` with respect to q, k and v.
 
     Recomputes the scores block by block from q, k and the forward's ``lse``;
@@ -187,7 +202,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dout : cupy.ndarray, shape broadcast(batch dims) + (Nq, Dv)
         Gradient of the loss with respect to ``out``.
     q, k, v, causal, window, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
-    softcap, bias, alibi_slopes, sinks, dropout_p, seed, score_mod, mask_mod
+    softcap, bias, alibi_slopes, sinks, dropout_p, seed, score_mod, mask_mod, block_mask
         As given to ``attention`` (dropout's mask is made again from the seed). ``score_mod``'s
         derivative with respect to the score is taken symbolically (docs/contract.md).
     score_mod_grads : None
@@ -230,10 +245,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dropout_p, seed = _checks.check_dropout(dropout_p, seed)
     mods = _mods(softcap, alibi_slopes, sinks, bias, dropout_p)
     want_dbias = bias is not None and bias_grad
-    user = _user.trace(score_mod, mask_mod, max(getattr(x, "ndim", 2) for x in (q, k, v)) - 2)
+    user = _user_functions(score_mod, mask_mod, block_mask, q, k, v)
     _user.check_backward(score_mod, score_mod_grads, want_dbias and softcap is not None)
     plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
                                                                    packed, bool(deterministic), mods, user)
+    _checks.check_block_mask_fits(block_mask, plan.shapes[3][:-1], plan.shapes[3][-1], orig[1].shape[-2])
     cupy = _checks.require_cupy()
     # With no query or no key nothing flows back: every gradient is zero (or empty) and no kernel runs.
     alloc = cupy.empty if plan.launches.runs else cupy.zeros
@@ -247,7 +263,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             entries = _per_entry(cupy, mods, plan.shapes[3][:-1])
             # (the dq pass writes dS where the band reaches; 0 elsewhere)
             dbias = cupy.zeros(plan.shapes[3] + plan.shapes[1][-2:-1], dtype=cupy.float32) if want_dbias else None
-            user_args = None if user is None else _user.arguments(cupy, user, plan.shapes[3][:-1], plan.device)
+            user_args = None if user is None else _user.arguments(cupy, user, plan.shapes[3][:-1], plan.device,
+                                                                   block_mask)
             arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, bias, seed or 0, user_args, tiles[1], dout,
                       delta, dq if sums is None else sums, dk, dv, dbias)
             for launch in plan.launches.runs:
@@ -290,7 +307,7 @@ def _gradient_of(cupy, g, x):
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
                   deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                  seed=None, bias_grad=False, score_mod=None, mask_mod=None):
+                  seed=None, bias_grad=False, score_mod=None, mask_mod=None, block_mask=None):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
@@ -311,7 +328,8 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
     mask = {"causal": causal, "window": window, "scale": scale, "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
             "check": check, "softcap": softcap, "bias": bias, "alibi_slopes": alibi_slopes, "sinks": sinks,
-            "dropout_p": dropout_p, "seed": seed, "score_mod": score_mod, "mask_mod": mask_mod}
+            "dropout_p": dropout_p, "seed": seed, "score_mod": score_mod, "mask_mod": mask_mod,
+            "block_mask": block_mask}
     _checks.check_flag("bias_grad", bias_grad)
     _user.check_backward(score_mod, None, bias is not None and bias_grad and softcap is not None)
     out, lse = attention(q, k, v, return_lse=True, **mask)

@@ -22,7 +22,8 @@ def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128)) -> BlockMask:
     it (one index per batch dim, then the row and the key), traced and compiled once per function
     and signature; the CuPy arrays it captures are read on the GPU and must be on the current
     device. Build it once for the shapes and reuse it across layers and steps, as
-    FlexAttention's ``create_block_mask``. Raises ValueError for sizes that are not
+    FlexAttention's ``create_block_mask``; `cuflash.attention` and its backward take it as
+    ``block_mask`` (with its ``mask_mod``) and skip the tiles it leaves empty. Raises ValueError for sizes that are not
     non-negative ints, and the tracing's TypeError for a function it cannot compile.
     """
     batch_shape, nq, nk, (rows, keys) = _checks.check_block_mask(batch_shape, nq, nk, block)
@@ -40,4 +41,4 @@ def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128)) -> BlockMask:
         fn = _compile.get_user_function("cuflash_block_mask", "user/block_mask.cuh", _codegen.mask_mod_source(traced))
         fn((min(kinds.size, MAX_BLOCKS),), (THREADS,),
            (cupy.asarray(tiling), cupy.asarray(descriptors), kinds, np.int64(kinds.size)))
-    return BlockMask(kinds, (rows, keys), (nq, nk))
+    return BlockMask(kinds, (rows, keys), (nq, nk), mask_mod)

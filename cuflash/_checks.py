@@ -217,6 +217,43 @@ def check_block_mask(batch_shape, nq, nk, block) -> tuple[tuple, int, int, tuple
     return tuple(int(n) for n in batch_shape), int(nq), int(nk), (int(block[0]), int(block[1]))
 
 
+def block_mask_function(mask_mod, block_mask):
+    """The mask function of a call given ``block_mask`` (a BlockMask of `cuflash.block_mask` or
+    `cuflash.reference.block_mask`): the one it was built from. TypeError for anything else;
+    ValueError for one without a mask function, or beside a different ``mask_mod``."""
+    if block_mask is None:
+        return mask_mod
+    from .reference import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask of cuflash.block_mask, got {type(block_mask).__name__}")
+    if block_mask.mask_mod is None:
+        raise ValueError("block_mask has no mask function: build it with cuflash.block_mask(mask_mod, ...)")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError("mask_mod is not the function block_mask was built from: pass block_mask alone "
+                         "(it carries its mask_mod)")
+    return block_mask.mask_mod
+
+
+def check_block_mask_fits(block_mask, batch_shape, nq, nk) -> None:
+    """ValueError unless ``block_mask`` (None: nothing to check) was built for ``(nq, nk)`` and a
+    batch that broadcasts to ``batch_shape`` without enlarging it, its kinds int8 of one entry
+    per block."""
+    if block_mask is None:
+        return
+    if tuple(block_mask.shape) != (nq, nk):
+        raise ValueError(f"block_mask was built for (Nq, Nk) = {tuple(block_mask.shape)}, but the call has "
+                         f"({nq}, {nk})")
+    rows, keys = check_block_mask((), nq, nk, block_mask.block)[3]
+    kinds, blocks = block_mask.kinds, (-(-nq // rows), -(-nk // keys))
+    if str(kinds.dtype) != "int8" or kinds.ndim < 2 or tuple(kinds.shape[-2:]) != blocks:
+        raise ValueError(f"block_mask.kinds must be int8 of shape batch + {blocks}, got {kinds.dtype} "
+                         f"{tuple(kinds.shape)}")
+    batch = tuple(kinds.shape[:-2])
+    if len(batch) > len(batch_shape) or any(n not in (1, m) for n, m in zip(batch[::-1], batch_shape[::-1])):
+        raise ValueError(f"block_mask's batch shape {batch} does not broadcast to the call's {tuple(batch_shape)}")
+
+
 def check_head_dim(name: str, axis: str, n: int) -> None:
     if n > MAX_HEAD_DIM:
         raise ValueError(f"{name} has {axis} {n}; cuflash supports head dims up to {MAX_HEAD_DIM}")

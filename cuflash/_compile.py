@@ -150,10 +150,13 @@ def _once(cache: dict, key, build):
 
 def user_kernel_source(source) -> str:
     """The kernels' source followed by a call's score and mask functions (_codegen.Source of
-    user_mods_source) and the score path that calls them (kernels/user/user_scores.cuh)."""
+    user_mods_source), the block mask's lookup and the score path that calls them
+    (kernels/user/block_tiles.cuh, user_scores.cuh)."""
     from . import _codegen
 
-    return kernel_source() + _codegen.PREAMBLE + source.text + (kernel_dir() / "user" / "user_scores.cuh").read_text()
+    user = kernel_dir() / "user"
+    return (kernel_source() + _codegen.PREAMBLE + source.text + (user / "block_tiles.cuh").read_text()
+            + (user / "user_scores.cuh").read_text())
 
 
 def get_function(name_expression: str, smem_bytes: int, user=None):

@@ -30,14 +30,14 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._checks import (
     check_backward_arrays, check_block_mask, check_dropout, check_dropout_p, check_flag, check_modifiers, check_num_splits,
-    check_per_entry, check_scale, check_shapes, check_softcap, host_cache_seqlens, kvcache_lengths, kvcache_shapes,
-    merge_parts, packed_sequences, sum_to_shape,
+    block_mask_function, check_block_mask_fits, check_per_entry, check_scale, check_shapes, check_softcap,
+    host_cache_seqlens, kvcache_lengths, kvcache_shapes, merge_parts, packed_sequences, sum_to_shape,
 )
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
 from ._trace import HostFunction, captured_arrays, index_grids
@@ -112,12 +112,15 @@ def _per_entry(name: str, x):
 
 
 def _score_path(q, k, batch, scale, causal, window, packed=False, *, softcap=None, bias=None, alibi_slopes=None,
-                sinks=None, dropout_p=0.0, seed=None, score_mod=None, mask_mod=None) -> _ScorePath:
+                sinks=None, dropout_p=0.0, seed=None, score_mod=None, mask_mod=None, block_mask=None) -> _ScorePath:
     """Checks the mask and the score modifiers of a call (`cuflash._checks.check_modifiers`, with
     a bias of any real dtype) against float64 q and k of broadcast batch shape ``batch``, and
-    traces ``score_mod`` and ``mask_mod`` (the TypeErrors of their rules)."""
+    traces ``score_mod`` and ``mask_mod`` (``block_mask``'s where given; the TypeErrors of their
+    rules). A block mask only says which tiles a kernel may skip: here its function applies."""
     left, right = normalize_window(causal, window)
     nq, nk = q.shape[-2], k.shape[-2]
+    mask_mod = block_mask_function(mask_mod, block_mask)
+    check_block_mask_fits(block_mask, batch, nq, nk)
     alibi_slopes, sinks = _per_entry("alibi_slopes", alibi_slopes), _per_entry("sinks", sinks)
     if bias is not None:
         bias = _as_float64("bias", bias)
@@ -246,7 +249,7 @@ def _as_host(name: str, x) -> None:
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
               softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, score_mod=None,
-              mask_mod=None):
+              mask_mod=None, block_mask=None):
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v`` in float64, with optional score
     modifiers.
 
@@ -320,6 +323,11 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     mask_mod : function, optional
         ``mask_mod(*batch_indices, q_idx, kv_idx)``: a bool, True where the key may be attended;
         AND-ed with ``causal`` and ``window``.
+    block_mask : BlockMask, optional
+        From `block_mask` or `cuflash.block_mask` for a batch that broadcasts to the call's and
+        its (Nq, Nk): its ``mask_mod`` applies (``mask_mod`` may be left out, or must be that
+        same function). It tells the GPU kernels which tiles to skip; the results are those of
+        its function.
 
     Returns
     -------
@@ -339,7 +347,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
                        alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
-                       mask_mod=mask_mod)
+                       mask_mod=mask_mod, block_mask=block_mask)
     if packed is None:
         out, lse = _forward(q, k, v, path=path)
     else:
@@ -356,7 +364,7 @@ def _forward(q, k, v, q0=0, k0=0, *, path: _ScorePath):
 def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
                     softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
-                    score_mod=None, mask_mod=None, block_m=64, block_n=64):
+                    score_mod=None, mask_mod=None, block_mask=None, block_m=64, block_n=64):
     """The forward as the GPU kernel computes it, in NumPy float64.
 
     For each block of ``block_m`` query rows (vectorised over the batch dims):
@@ -386,7 +394,7 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
     ----------
     q, k, v, causal, window, scale, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check
         As in `attention`.
-    softcap, bias, alibi_slopes, sinks, dropout_p, seed, score_mod, mask_mod
+    softcap, bias, alibi_slopes, sinks, dropout_p, seed, score_mod, mask_mod, block_mask
         As in `attention`; with ``mask_mod`` every block is masked.
     block_m : int, optional
         Query rows per block.
@@ -410,7 +418,7 @@ def tiled_attention(q, k, v, *, causal=False, window=None, scale=None, return_ls
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
                        alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
-                       mask_mod=mask_mod)
+                       mask_mod=mask_mod, block_mask=block_mask)
     tiled = functools.partial(_tiled, path=path, block_m=int(block_m), block_n=int(block_n))
     out, lse = tiled(q, k, v) if packed is None else _per_sequence(tiled, q, k, v, batch, packed)
     return (out, lse) if return_lse else out
@@ -481,7 +489,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        check=True, deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None,
                        dropout_p=0.0, seed=None, bias_grad=False, score_mod=None, mask_mod=None,
-                       score_mod_grads=None):
+                       block_mask=None, score_mod_grads=None):
     """Exact gradients of `attention` with respect to q, k and v (and bias and sinks), in float64.
 
     The NumPy twin of `cuflash.attention_backward`. As in FlashAttention, the probabilities
@@ -518,7 +526,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     bias_grad : bool
         With ``bias``, also return dbias.
 
-    score_mod, mask_mod
+    score_mod, mask_mod, block_mask
         As in the forward call; the gradients go through score_mod's derivative.
     score_mod_grads : sequence of arrays, optional
         Float arrays that ``score_mod`` reads from its global or closure variables: also return
@@ -553,7 +561,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     packed = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     path = _score_path(q, k, batch, scale, causal, window, packed is not None, softcap=softcap, bias=bias,
                        alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
-                       mask_mod=mask_mod)
+                       mask_mod=mask_mod, block_mask=block_mask)
     mod_grads = _score_mod_grads(path.score_mod, score_mod_grads)
     if packed is None:
         packed = [(0, nq, 0, k.shape[-2])]
@@ -864,7 +872,8 @@ class BlockMask:
     is `EMPTY` (no element of tile (m, n) allowed: a kernel skips it), `FULL` (every element
     allowed: no mask needed) or `PARTIAL`, for each entry of the batch dims. Only elements
     inside ``shape = (Nq, Nk)`` count: a ragged last tile is full when all of its elements
-    inside are allowed."""
+    inside are allowed. ``mask_mod``: the function it was built from, which a call given the
+    block mask (``block_mask=``) applies."""
 
     EMPTY = 0
     PARTIAL = 1
@@ -873,6 +882,7 @@ class BlockMask:
     kinds: np.ndarray   # int8, batch_shape + (ceil(Nq / rows), ceil(Nk / keys))
     block: tuple
     shape: tuple
+    mask_mod: object = field(default=None, compare=False)
 
 
 def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128)) -> BlockMask:
@@ -894,4 +904,4 @@ def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128)) -> BlockMask:
                       for fill in (True, False))
         kinds[..., m, :] = np.where(full.all(axis=(-3, -1)), BlockMask.FULL,
                                     np.where(some.any(axis=(-3, -1)), BlockMask.PARTIAL, BlockMask.EMPTY))
-    return BlockMask(kinds, (bm, bn), (int(nq), int(nk)))
+    return BlockMask(kinds, (bm, bn), (int(nq), int(nk)), mask_mod)

@@ -293,3 +293,58 @@ def test_block_mask_refuses_bad_sizes_and_bad_functions():
         reference.block_mask(lambda q, k: q >= k, (), -1, 4)
     with pytest.raises(TypeError, match="mask_mod returned a int"):
         reference.block_mask(lambda q, k: q - k, (), 4, 4)
+
+
+def test_a_block_mask_applies_its_function():
+    """reference.attention, tiled_attention and attention_backward given block_mask= compute
+    with its mask_mod (alone, or beside that same function), for a block mask built for a batch
+    that broadcasts to the call's."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, n, 8)) for n in (20, 24, 24))
+    dout = rng.standard_normal((2, 3, 20, 8))
+    doc = np.sort(rng.integers(0, 3, (2, 24))).astype(np.int32)
+
+    def mask(b, h, qi, kj):
+        return (doc[b, qi] == doc[b, kj]) & (kj <= qi + 4)
+
+    want, lse = reference.attention(q, k, v, mask_mod=mask, return_lse=True)
+    grads = reference.attention_backward(dout, q, k, v, want, lse, mask_mod=mask)
+    for blocks in (reference.block_mask(mask, (2, 1), 20, 24, block=(8, 16)),
+                   reference.block_mask(mask, (2, 3), 20, 24)):
+        assert blocks.mask_mod is mask
+        for given in ({"block_mask": blocks}, {"block_mask": blocks, "mask_mod": mask}):
+            np.testing.assert_array_equal(reference.attention(q, k, v, **given), want)
+            np.testing.assert_allclose(reference.tiled_attention(q, k, v, **given), want, atol=1e-12)
+            for g, w in zip(reference.attention_backward(dout, q, k, v, want, lse, **given), grads):
+                np.testing.assert_array_equal(g, w)
+
+
+def test_a_block_mask_that_does_not_fit_the_call_is_refused():
+    """A block mask for other sizes, a batch that does not broadcast, kinds of another shape or
+    dtype, a different mask_mod beside it, one without a function or not a BlockMask at all:
+    ValueError or TypeError naming it, in the reference as on the GPU (the checks are shared)."""
+    import dataclasses
+
+    q, k, v = (np.zeros((2, 3, 16, 8)) for _ in range(3))
+
+    def mask(b, h, qi, kj):
+        return kj <= qi
+
+    good = reference.block_mask(mask, (2, 3), 16, 16, block=(8, 8))
+    bad = {
+        r"built for \(Nq, Nk\) = \(16, 12\)": reference.block_mask(mask, (2, 3), 16, 12, block=(8, 8)),
+        r"batch shape \(3, 3\) does not broadcast": reference.block_mask(mask, (3, 3), 16, 16, block=(8, 8)),
+        r"batch shape \(2, 2, 3\) does not broadcast": reference.block_mask(lambda a, b, h, qi, kj: kj <= qi,
+                                                                              (2, 2, 3), 16, 16, block=(8, 8)),
+        "must be int8 of shape batch": dataclasses.replace(good, kinds=good.kinds[..., :1]),
+        "must be int8": dataclasses.replace(good, kinds=good.kinds.astype(np.int32)),
+        "block must be two positive ints": dataclasses.replace(good, block=(0, 8)),
+        "has no mask function": dataclasses.replace(good, mask_mod=None),
+    }
+    for message, blocks in bad.items():
+        with pytest.raises(ValueError, match=message):
+            reference.attention(q, k, v, block_mask=blocks)
+    with pytest.raises(ValueError, match="not the function block_mask was built from"):
+        reference.attention(q, k, v, block_mask=good, mask_mod=lambda b, h, qi, kj: kj <= qi)
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+        reference.attention(q, k, v, block_mask=good.kinds)

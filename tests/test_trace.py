@@ -706,7 +706,8 @@ def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
     assert _user.arguments(FakeCupy, user, (2, 3), 0) is first
     assert len(FakeCupy.copies) == 1
     np.testing.assert_array_equal(first[:_trace.MAX_DIMS], [2, 3] + [0] * (_trace.MAX_DIMS - 2))
-    assert first[_trace.MAX_DIMS] == table.ctypes.data
+    arrays = _trace.MAX_DIMS + _user.BLOCK_WORDS   # (no block mask: its words are 0)
+    assert not first[_trace.MAX_DIMS:arrays].any() and first[arrays] == table.ctypes.data
     assert _user.arguments(FakeCupy, user, (2, 4), 0) is not first
     assert _user.arguments(FakeCupy, user, (2, 3), 1) is not first
     tables = [table]   # (each kept alive: a new array must not take a freed one's address)
@@ -715,10 +716,72 @@ def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
     assert _user.arguments(FakeCupy, user, (2, 3), 0) is first   # (the call that traced the old one)
     user = _user.trace(score_mod, None, 2)
     moved = _user.arguments(FakeCupy, user, (2, 3), 0)
-    assert moved[_trace.MAX_DIMS] == table.ctypes.data and len(FakeCupy.copies) == 4
+    assert moved[arrays] == table.ctypes.data and len(FakeCupy.copies) == 4
     monkeypatch.setattr(_user, "ARGUMENTS_KEPT", len(_user._arguments))
     table = np.zeros((3, 4), dtype=np.float32)
     tables.append(table)
     user = _user.trace(score_mod, None, 2)
     assert _user.arguments(FakeCupy, user, (2, 3), 0) is not _user.arguments(FakeCupy, user, (2, 3), 0)
     assert len(FakeCupy.copies) == 6
+
+
+@requires_cxx
+def test_a_kernel_tile_takes_the_kinds_of_the_blocks_it_touches(tmp_path):
+    """cf_block_mask_tile (kernels/user/block_tiles.cuh, host-compiled) over the words of
+    _user.block_layout: for random row and key ranges of random batch entries, EMPTY where every
+    block they touch is, FULL where every one is, else PARTIAL, read at broadcast batch strides
+    and through transposed kinds; PARTIAL without a block mask and for a range outside it."""
+    from cuflash import _user
+    from cuflash.reference import block_mask
+
+    batch, nq, nk, block = (2, 3), 150, 190, (32, 48)
+    docs = np.random.default_rng(3).integers(0, 3, (2, nq)).cumsum(axis=1) // 40
+
+    def mask_mod(b, h, q, k):
+        return (docs[b, q] >= docs[b, k % nq]) & (k <= q + 20 * h) | (h == 2) & (q < 7)
+
+    cases = [block_mask(mask_mod, batch, nq, nk, block).kinds,
+             block_mask(lambda b, h, q, k: mask_mod(b, 0, q, k), (2, 1), nq, nk, block).kinds,
+             block_mask(lambda h, q, k: mask_mod(0, h, q, k), (3,), nq, nk, block).kinds]
+    cases.append(np.ascontiguousarray(cases[0].swapaxes(-1, -2)).swapaxes(-1, -2))   # strides not row-major
+    runner = textwrap.dedent("""
+        extern "C" void run(const cf_block_mask* b, const long long* shape, long long n, const long long* ranges,
+                            int* out) {
+            for (long long t = 0; t < n; ++t) {
+                const long long* r = ranges + 5 * t;
+                out[t] = cf_block_mask_tile(*b, shape, (unsigned)r[0], r[1], r[2], r[3], r[4]);
+            }
+        }
+    """)
+    source = (_compile.kernel_dir() / "user" / "block_tiles.cuh").read_text()
+    lib = host_library(tmp_path, source, runner)
+    shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
+    shape[:2] = batch
+    rng = np.random.default_rng(11)
+    seen = set()
+    for kinds in cases:
+        r0, c0 = rng.integers(0, nq, 400), rng.integers(0, nk, 400)
+        r1, c1 = r0 + 1 + rng.integers(0, 70, 400), c0 + 1 + rng.integers(0, 70, 400)
+        r1, c1 = np.minimum(r1, nq), np.minimum(c1, nk)
+        entries = rng.integers(0, 6, 400)
+        ranges = np.stack([entries, r0, r1, c0, c1], axis=1).astype(np.int64)
+        words = _user.block_layout(kinds.ctypes.data, kinds.shape, kinds.strides, block, batch)
+        got = np.zeros(400, dtype=np.int32)
+        lib.run(ctypes.c_void_p(words.ctypes.data), ctypes.c_void_p(shape.ctypes.data), ctypes.c_longlong(400),
+                ctypes.c_void_p(ranges.ctypes.data), ctypes.c_void_p(got.ctypes.data))
+        wide = np.broadcast_to(kinds, batch + kinds.shape[-2:])
+        for (e, a, b, c, d), kind in zip(ranges, got):
+            touched = wide[np.unravel_index(e, batch)][a // 32:(b - 1) // 32 + 1, c // 48:(d - 1) // 48 + 1]
+            want = 2 if (touched == 2).all() else (0 if (touched == 0).all() else 1)
+            assert kind == want, (e, a, b, c, d, touched)
+            seen.add(want)
+    assert seen == {0, 1, 2}
+    none = np.zeros(_user.BLOCK_WORDS, dtype=np.int64)
+    outside = _user.block_layout(cases[0].ctypes.data, cases[0].shape, cases[0].strides, block, batch)
+    outside[3] = 2   # (two blocks down: rows from 64 on lie outside)
+    ranges = np.array([[1, 0, 10, 0, 10], [1, 100, 120, 0, 10]], dtype=np.int64)
+    for words, want in ((none, [1, 1]), (outside, [int(cases[0][1, 0, 0, 0]), 1])):
+        got = np.zeros(2, dtype=np.int32)
+        lib.run(ctypes.c_void_p(words.ctypes.data), ctypes.c_void_p(shape.ctypes.data), ctypes.c_longlong(2),
+                ctypes.c_void_p(ranges.ctypes.data), ctypes.c_void_p(got.ctypes.data))
+        assert list(got) == want

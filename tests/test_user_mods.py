@@ -236,3 +236,106 @@ def test_bad_functions_and_arrays_raise_before_any_launch(monkeypatch):
     with pytest.raises(NotImplementedError, match="softcap"):
         cuflash.attention_vjp(q, k, v, score_mod=score_mod, softcap=5.0, bias=cupy.zeros((40, 40), q.dtype),
                               bias_grad=True)
+
+
+def _block_mask_cases(xp, b, h, n, rng):
+    """name: (mask function, the batch shape its block mask is built for); the functions of
+    `functions` that take no score function, with the batch dims each depends on."""
+    fns = functions(xp, b, h, n, rng)
+    whole, per_batch = (b, h), (b, 1)
+    return {"causal": (fns["causal"]["mask_mod"], (1, 1)),
+            "sliding window": (fns["sliding window"]["mask_mod"], per_batch),
+            "global tokens": (fns["global tokens"]["mask_mod"], (h,)),   # (fewer dims than the call)
+            "prefix-LM": (fns["prefix-LM"]["mask_mod"], per_batch),
+            "document": (fns["document"]["mask_mod"], per_batch),
+            "no key for odd heads": (fns["no key for odd heads"]["mask_mod"], whole)}
+
+
+@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
+@pytest.mark.parametrize("block", [(128, 128), (64, 32), (48, 80)])
+def test_block_masks_skip_tiles_and_change_no_bit(dtype, d, block):
+    """With block_mask= (cuflash.block_mask of the call's mask function) the kernels skip the
+    tiles it leaves empty and test none in the full ones: out, lse, dq, dk and dv bit for bit
+    those of the same call with mask_mod alone (an empty tile adds exact zeros), and out against
+    the reference; blocks that do not line up with the kernels' tiles, ragged Nq != Nk, a block
+    mask broadcast over batch dims, heads that see no key at all; outputs poisoned."""
+    import cupy
+
+    b, h, nq, nk = 2, 3, 333, 290
+    rng = np.random.default_rng(hash(("block", dtype, d, block)) % 2**32)
+    q = random_array(rng, (b, h, nq, d), dtype, scale=2.0)
+    k, v = (random_array(rng, (b, h, nk, d), dtype, scale=2.0) for _ in range(2))
+    dout = random_array(rng, (b, h, nq, d), dtype)
+    q64, k64, v64 = _host(q, k, v)
+    seed = int(rng.integers(2**31))
+    on_host = _block_mask_cases(np, b, h, max(nq, nk), np.random.default_rng(seed))
+    for name, (mask_mod, batch) in _block_mask_cases(cupy, b, h, max(nq, nk), np.random.default_rng(seed)).items():
+        blocks = cuflash.block_mask(mask_mod, batch, nq, nk, block=block)
+        kinds = blocks.kinds.get()
+        out, lse = cuflash.attention(q, k, v, mask_mod=mask_mod, return_lse=True)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, mask_mod=mask_mod)
+        with poisoned_allocations():
+            got, got_lse = cuflash.attention(q, k, v, block_mask=blocks, return_lse=True)
+            got_grads = cuflash.attention_backward(dout, q, k, v, got, got_lse, block_mask=blocks)
+        for label, x, y in zip(("out", "lse", "dq", "dk", "dv"), (got, got_lse, *got_grads), (out, lse, *grads)):
+            assert cupy.array_equal(x, y, equal_nan=True), f"{name} {block}: {label} differs ({kinds.min()}..{kinds.max()})"
+        want = reference.attention(q64, k64, v64, mask_mod=on_host[name][0])
+        err = np.abs(cupy.asnumpy(got).astype(np.float64) - want).max()
+        assert err <= 8 * eps(dtype) * max(1.0, np.abs(want).max()), f"{name} {block}: error {err:.3g}"
+
+
+def test_block_masks_over_packed_sequences():
+    """A document mask's block mask over packed arrays (positions along the packed axis): the
+    same bits as the call with mask_mod alone, forward and backward."""
+    import cupy
+
+    rng = np.random.default_rng(8)
+    lengths = [170, 1, 230, 57, 300]
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    total, h, d = int(cu[-1]), 2, 64
+    q, k, v, dout = (random_array(rng, (h, total, d), "float16") for _ in range(4))
+    docs = cupy.asarray(np.repeat(np.arange(len(lengths)), lengths).astype(np.int32))
+
+    def mask_mod(hh, qi, kj):
+        return (docs[qi] == docs[kj]) & (kj <= qi)
+
+    packed = {"cu_seqlens_q": cu, "cu_seqlens_k": cu}
+    blocks = cuflash.block_mask(mask_mod, (1,), total, total, block=(64, 64))
+    assert {0, 1, 2} <= set(np.unique(blocks.kinds.get()).tolist())
+    out, lse = cuflash.attention(q, k, v, mask_mod=mask_mod, return_lse=True, **packed)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, mask_mod=mask_mod, **packed)
+    with poisoned_allocations():
+        got, got_lse = cuflash.attention(q, k, v, block_mask=blocks, return_lse=True, **packed)
+        got_grads = cuflash.attention_backward(dout, q, k, v, got, got_lse, block_mask=blocks, **packed)
+    for label, x, y in zip(("out", "lse", "dq", "dk", "dv"), (got, got_lse, *got_grads), (out, lse, *grads)):
+        assert cupy.array_equal(x, y, equal_nan=True), label
+
+
+def test_a_block_mask_that_does_not_fit_raises_before_any_launch(monkeypatch):
+    """A block mask for other sizes or a batch that does not broadcast, the reference's (NumPy)
+    block mask, a different mask_mod beside it: refused before any kernel runs."""
+    import cupy
+
+    from cuflash import _launch
+
+    rng = np.random.default_rng(10)
+    q, k, v = (random_array(rng, (2, 2, 40, 64), "float16") for _ in range(3))
+
+    def mask_mod(b, h, qi, kj):
+        return kj <= qi
+
+    good = cuflash.block_mask(mask_mod, (2, 2), 40, 40)
+    cupy.cuda.get_current_stream().synchronize()
+    monkeypatch.setattr(_launch.Launch, "run", lambda *a, **kw: pytest.fail("a kernel was launched"))
+    out, lse = q, q[..., 0].astype(cupy.float32)   # (refused before anything reads them)
+    refused = [
+        (ValueError, "built for", {"block_mask": reference.block_mask(mask_mod, (2, 2), 40, 48)}),
+        (ValueError, "does not broadcast", {"block_mask": reference.block_mask(mask_mod, (3, 2), 40, 40)}),
+        (TypeError, "not a CuPy array", {"block_mask": reference.block_mask(mask_mod, (2, 2), 40, 40)}),
+        (ValueError, "not the function", {"block_mask": good, "mask_mod": lambda b, h, qi, kj: kj <= qi}),
+    ]
+    for error, message, kw in refused:
+        with pytest.raises(error, match=message):
+            cuflash.attention(q, k, v, **kw)
+        with pytest.raises(error, match=message):
+            cuflash.attention_backward(q, q, k, v, out, lse, **kw)

@@ -182,7 +182,7 @@ def modifier_cases():
     grouped queries (values per query head), rows that see no key, padded and strided head
     dims and packed sequences; a bias broadcast over the batch with its gradient (read from
     global memory, and through shared memory), dropout, and dropout on packed sequences, on
-    each dtype; score and mask functions, forward and backward; the Hopper kernels' longer tiles with all
+    each dtype; score and mask functions, forward and backward, and a block mask; the Hopper kernels' longer tiles with all
     three; and the KV cache with all three."""
     ok = True
 
@@ -237,6 +237,9 @@ def modifier_cases():
             ok &= run_case(f"{dtype} D=128 Nq=67 Nk=96 score_mod (table) + mask_mod", q, k, v,
                            score_mod=lambda s, b, h, i, j: s + table[h, i - j + 95],
                            mask_mod=lambda b, h, i, j: (j <= i + 29) & ((i + j) % 5 != 0))
+            # its block mask, broadcast over B, of blocks that do not line up with the kernels' tiles
+            blocks = cuflash.block_mask(lambda b, h, i, j: (j <= i - 20 * h) | (j < 3), (1, 3), 67, 96, block=(24, 40))
+            ok &= run_case(f"{dtype} D=128 Nq=67 Nk=96 block mask (1, 3) of 24 x 40 blocks", q, k, v, block_mask=blocks)
     # the Hopper kernels' longer tiles: the forward on a loading warpgroup at D = 64 past 128
     # keys and 176-key blocks at D = 128 from 8192 keys, D = 256 through maps; the dk/dv pass
     # on a loading warpgroup at D = 64 from 2048 queries

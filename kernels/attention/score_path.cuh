@@ -43,6 +43,41 @@ struct FullScores {
 // FullScores' modifiers and a call's own score and mask functions: UserScores
 // (kernels/user/user_scores.cuh), compiled after the functions, where USER.
 
+// What a call's block mask (UserScores: cuflash.block_mask) says of a kernel's tile: no element
+// allowed (the kernel skips the tile), some, or every one (no mask function evaluated there).
+// PARTIAL on every other path.
+enum class TileKind : int { EMPTY = 0, PARTIAL = 1, FULL = 2 };
+
+// A loop's walk over the tiles of a call's block mask (ON: the user path). A warp looks up 32
+// tiles at once, a lane each (kind_of(b): tile b's kind, EMPTY past the loop's last), and keeps
+// their kinds as two ballots, so that most steps read no memory: a lookup per step, a dependent
+// load before the step's own loads, ran the forward slower than evaluating the mask function at
+// every element. The loops are uniform over the block, so every lane takes part. Off the user
+// path it is empty and the loops look nothing up (behind `if constexpr`: code there at all,
+// folded away or not, moved the other paths' instructions).
+template <bool ON>
+struct BlockWalk {};
+template <>
+struct BlockWalk<true> {
+    int base = -64;   // the first of the 32 tiles looked up (none yet)
+    u32 some = 0, all = 0;
+
+    template <class KindOf>
+    __device__ __forceinline__ void look_up(int b, const KindOf& kind_of) {
+        base = b;
+        const TileKind kind = kind_of(b + int(threadIdx.x % 32));
+        some = __ballot_sync(0xffffffffu, kind != TileKind::EMPTY);
+        all = __ballot_sync(0xffffffffu, kind == TileKind::FULL);
+    }
+    // tile b's kind
+    template <class KindOf>
+    __device__ __forceinline__ TileKind at(int b, const KindOf& kind_of) {
+        if (unsigned(b - base) >= 32u) look_up(b, kind_of);
+        const u32 bit = 1u << (b - base);
+        return (all & bit) ? TileKind::FULL : ((some & bit) ? TileKind::PARTIAL : TileKind::EMPTY);
+    }
+};
+
 // fn(mt, nt, e) for each element e of each m16n8 C fragment (mt, nt) a thread holds, unrolled
 template <int M_TILES, int N_TILES, class Fn>
 __device__ __forceinline__ void for_each_element(Fn&& fn) {
@@ -199,19 +234,32 @@ struct ScorePath {
 
     __device__ __forceinline__ bool capped() const { return MODIFIED && p.cap != 0.f; }
 
+    // What the call's block mask says of rows [m0, m_end) and keys [n0, n_end) of the sequence
+    // (clipped to it; m0 and n0 inside)
+    __device__ __forceinline__ TileKind tile(int m0, int m_end, int n0, int n_end) const {
+        if constexpr (Scores::USER) {
+            return TileKind(
+                Scores::tile(p.user_args, entry, q0 + m0, q0 + min(m_end, nq), k0 + n0, k0 + min(n_end, nk)));
+        } else {
+            return TileKind::PARTIAL;
+        }
+    }
     // Raw scores to the scores the softmax sees, in place (before the mask). Fragments as
     // in apply_band: row0/col0 locate the warp's first element; KEYS_IN_ROWS: transposed.
     // softcap switched off is skipped (a uniform branch per tile); ALiBi's term with slope 0 is
     // two adds and an FMA per score (skipping it too spilled the portable D 96 dq pass).
+    // `tile`: the block mask's word on the tile (FULL: the mask function is not evaluated).
     template <bool KEYS_IN_ROWS = false, class Score, int M_TILES, int N_TILES>
-    __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+    __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0,
+                                           TileKind tile = TileKind::PARTIAL) const {
         ScoreFactors<false, N_TILES> none;
-        modify<KEYS_IN_ROWS>(s, row0, col0, none);
+        modify<KEYS_IN_ROWS>(s, row0, col0, tile, none);
     }
     // The same, taking the backward's factors where they are ON (one 16-row tile: M_TILES 1):
     // softcap's 1 - tanh^2 from the raw scores here, as p no longer tells the capped score.
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES, class Factors>
-    __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, Factors& f) const {
+    __device__ __forceinline__ void modify(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, TileKind tile,
+                                           Factors& f) const {
         if constexpr (Factors::ON) {
             static_assert(M_TILES == 1, "the backward's factors cover one 16-row tile");
             const bool cap = capped();
@@ -222,13 +270,13 @@ struct ScorePath {
         }
         cap_and_alibi<KEYS_IN_ROWS>(s, row0, col0);
         if (biased()) add_bias<KEYS_IN_ROWS>(s, row0, col0);
-        if constexpr (Scores::USER) apply_user<KEYS_IN_ROWS>(s, row0, col0, f);
+        if constexpr (Scores::USER) apply_user<KEYS_IN_ROWS>(s, row0, col0, tile, f);
     }
     // modify() with the bias from the block's tile in shared memory (`staged_bias`): Tile's
     // layout at s_tile, the warp's rows from tile_row0 of it, the block's keys from its first
     template <class Tile, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify_staged(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, u32 s_tile,
-                                                  int tile_row0) const {
+                                                  int tile_row0, TileKind tile = TileKind::PARTIAL) const {
         cap_and_alibi<false>(s, row0, col0);
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
@@ -253,7 +301,7 @@ struct ScorePath {
                 }
         if constexpr (Scores::USER) {
             ScoreFactors<false, N_TILES> none;
-            apply_user<false>(s, row0, col0, none);
+            apply_user<false>(s, row0, col0, tile, none);
         }
     }
     // softcap and ALiBi (MODIFIED), the steps before the bias
@@ -297,10 +345,13 @@ struct ScorePath {
     // function (-inf where it refuses the key), at the positions in the arrays: the sequence's
     // first row and key plus its own (the reference's positions for packed sequences). Factors
     // ON: each factor times the score function's derivative there, 0 past the sequence's rows
-    // and keys (whose p is 0, but whose derivative may not be finite).
+    // and keys (whose p is 0, but whose derivative may not be finite). A FULL tile skips the
+    // mask function (a uniform branch per tile).
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES, class Factors>
-    __device__ __forceinline__ void apply_user(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, Factors& f) const {
+    __device__ __forceinline__ void apply_user(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, TileKind tile,
+                                               Factors& f) const {
         const float scale = 1.f / p.slope_unit;
+        const bool test = Scores::MASK && tile != TileKind::FULL;
         for_each_element<M_TILES, N_TILES>([&](int mt, int nt, int e) {
             int i, j;
             position_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e, i, j);
@@ -310,7 +361,7 @@ struct ScorePath {
                 f.d[nt][e] = i < nq && j < nk ? f.d[nt][e] * Scores::dscore(in, entry, qi, kj, p.user_args) : 0.f;
             }
             const float x = Scores::score(in, entry, qi, kj, p.user_args);
-            const bool kept = !Scores::MASK || Scores::allowed(entry, qi, kj, p.user_args);
+            const bool kept = !test || Scores::allowed(entry, qi, kj, p.user_args);
             s[mt][nt][e] = Score(kept ? x * p.slope_unit : -CUFLASH_INF);
         });
     }
@@ -542,8 +593,9 @@ struct ScorePath {
     template <bool RAW = false, int S_TILES, class Factors>
     __device__ __forceinline__ void transposed_probabilities(float (&st)[1][S_TILES][4], const Band& band, int m0,
                                                              int m_end, int n0, int n_end, int key_row0,
-                                                             float scale_log2, const float* lse2, Factors& f) const {
-        modify<true>(st, key_row0, m0, f);
+                                                             float scale_log2, const float* lse2, Factors& f,
+                                                             TileKind tile = TileKind::PARTIAL) const {
+        modify<true>(st, key_row0, m0, tile, f);
         if (masks_anywhere() || band.cuts(m0, m_end, n0, n_end)) {
             apply_band<true>(st, band, key_row0, m0);
             by_col<true, RAW>(st, scale_log2, lse2);
@@ -564,8 +616,9 @@ struct ScorePath {
     template <int S_TILES, class Factors>
     __device__ __forceinline__ void row_probabilities(float (&s)[1][S_TILES][4], const Band& band, int m0, int m_end,
                                                       int n0, int n_end, int row0, float scale_log2,
-                                                      const float (&lse2)[2], Factors& f) const {
-        modify<false>(s, row0, n0, f);
+                                                      const float (&lse2)[2], Factors& f,
+                                                      TileKind tile = TileKind::PARTIAL) const {
+        modify<false>(s, row0, n0, tile, f);
         if (masks_anywhere() || band.cuts(m0, m_end, n0, n_end)) {
             apply_band(s, band, row0, n0);
             by_row<true>(s, scale_log2, lse2);

@@ -183,6 +183,7 @@ attn_bwd_dkdv(const BwdParams p) {
         cp_async_commit();
     }
     int mb = steps.mb_begin;   // the query block of step j
+    BlockWalk<Scores::USER> walk;
     for (int j = 0; j < steps.count; ++j) {
         const int stage = j & 1;
         if (j + 1 < steps.count) load_step(j + 1, stage ^ 1);
@@ -193,7 +194,16 @@ attn_bwd_dkdv(const BwdParams p) {
         const float* lse2 = s_lse2 + stage * STEP;
         const float* delta = s_delta + stage * STEP;
         const int m0 = mb * STEP;
+        // a step the call's block mask leaves empty is skipped (uniform over the block: the
+        // stage it leaves unread is refilled only after the next step's barrier)
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(mb, [&](int b) {
+                return b < steps.mb_end ? path.tile(b * STEP, (b + 1) * STEP, n0, n_end) : TileKind::EMPTY;
+            });
+        }
         mb = steps.next_block(mb);
+        if (kind == TileKind::EMPTY) continue;
 
         // s^T = k q^T (rows: this warp's keys; columns: the step's queries)
         float st[1][S_TILES][4];
@@ -203,7 +213,7 @@ attn_bwd_dkdv(const BwdParams p) {
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
         Factors factors;
         path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2,
-                                      factors);
+                                      factors, kind);
 
         // dv += p^T dout (through dropout's mask, which dp^T takes too)
         const auto kept = path.template keep_mask<true, S_TILES>(n0 + warp_row0, m0);
@@ -299,6 +309,7 @@ attn_bwd_dq(const BwdParams p) {
         load_step(nb_begin, 0);
         cp_async_commit();
     }
+    BlockWalk<Scores::USER> walk;
     for (int nb = nb_begin; nb < nb_end; ++nb) {
         const int stage = (nb - nb_begin) & 1;
         if (nb + 1 < nb_end) load_step(nb + 1, stage ^ 1);
@@ -307,13 +318,23 @@ attn_bwd_dq(const BwdParams p) {
         __syncthreads();
         const u32 k_st = s_k + stage * STEP_BYTES, v_st = s_v + stage * STEP_BYTES;
         const int n0 = nb * STEP;
+        // a block the call's block mask leaves empty is skipped (uniform over the block, as in
+        // the dk/dv pass; skipping its loads too spilled the dense pass)
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(nb, [&](int b) {
+                return b < nb_end ? path.tile(m0, m_end, b * STEP, (b + 1) * STEP) : TileKind::EMPTY;
+            });
+            if (kind == TileKind::EMPTY) continue;
+        }
 
         // s = q k^T, then p = exp2(s * scale_log2 - lse2)
         float s[1][S_TILES][4];
         fill_zero(s);
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(s, s_q, warp_row0, k_st);
         Factors factors;
-        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2, factors);
+        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2, factors,
+                               kind);
 
         // dp = dout v^T
         float dp[1][S_TILES][4];

@@ -133,6 +133,7 @@ attn_fwd(const AttnParams p) {
     OnlineSoftmax<T, M_TILES> softmax(p.scale_log2_lo);
     const float scale_log2 = p.scale_log2;
 
+    BlockWalk<Scores::USER> walk;
     if (nb_begin < nb_end) {
         load_tile_async<QTile, Cfg::THREADS>(s_q, g_q, p.q_row_stride, nq - m0, d);
         load_kv(nb_begin, 0);
@@ -144,6 +145,17 @@ attn_fwd(const AttnParams p) {
         cp_async_commit();       // possibly empty: keeps one group per step
         cp_async_wait<1>();      // block nb (and Q) have landed
         __syncthreads();
+        // a key block the call's block mask leaves empty is skipped (uniform over the block: the
+        // stage it leaves unread is refilled only after the next step's barrier). Its loads are
+        // not: skipping them too changed the loop of every path, and the plain D 128 forward
+        // spilled.
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(nb, [&](int b) {
+                return b < nb_end ? path.tile(m0, m_end, b * BLOCK_N, (b + 1) * BLOCK_N) : TileKind::EMPTY;
+            });
+            if (kind == TileKind::EMPTY) continue;
+        }
 
         // s = q k^T for this warp's rows and the block's keys (double for float32: common.cuh)
         typename T::dot_sum s[M_TILES][N_TILES][4];
@@ -151,9 +163,10 @@ attn_fwd(const AttnParams p) {
         mma_rows_rows<T, QTile, KTile, HEAD_DIM, Cfg::QK_UNROLL>(s, s_q, warp_row0, s_k + stage * KTile::BYTES);
         const int n0 = nb * BLOCK_N;
         if (STAGED_BIAS && staged) {
-            path.template modify_staged<BiasTile>(s, m0 + warp_row0, n0, s_b + stage * BiasTile::BYTES, warp_row0);
+            path.template modify_staged<BiasTile>(s, m0 + warp_row0, n0, s_b + stage * BiasTile::BYTES, warp_row0,
+                                                  kind);
         } else {
-            path.modify(s, m0 + warp_row0, n0);
+            path.modify(s, m0 + warp_row0, n0, kind);
         }
 
         // p = exp2((s - m) * scale_log2 - P_SHIFT), with m, l and acc brought up to date;

@@ -5,8 +5,9 @@
 // Scores::USER (attention/score_path.cuh), beside FullScores' modifiers.
 //
 // The call's arguments (AttnParams::user_args), one int64 array on the device (cuflash/_user.py):
-// the batch's shape in CUFLASH_MAX_DIMS words (its first those the functions take), then the
-// captured arrays' descriptors (cuflash_array), the score function's first.
+// the batch's shape in CUFLASH_MAX_DIMS words (its first those the functions take), the block
+// mask (cf_block_mask, user/block_tiles.cuh; no kinds without one), then the captured arrays'
+// descriptors (cuflash_array), the score function's first.
 
 namespace cuflash {
 
@@ -19,8 +20,17 @@ struct UserScores {
     __device__ __forceinline__ static const long long* shape(const void* args) {
         return static_cast<const long long*>(args);
     }
+    __device__ __forceinline__ static const cf_block_mask& block_mask(const void* args) {
+        return *reinterpret_cast<const cf_block_mask*>(shape(args) + CUFLASH_MAX_DIMS);
+    }
     __device__ __forceinline__ static const cuflash_array* arrays(const void* args) {
-        return reinterpret_cast<const cuflash_array*>(shape(args) + CUFLASH_MAX_DIMS);
+        return reinterpret_cast<const cuflash_array*>(&block_mask(args) + 1);
+    }
+    // What the block mask says of rows [r0, r1) and keys [c0, c1) of flat batch entry `entry`:
+    // 0 EMPTY, 1 PARTIAL (also without a block mask), 2 FULL
+    __device__ __forceinline__ static int tile(const void* args, u32 entry, long long r0, long long r1, long long c0,
+                                               long long c1) {
+        return cf_block_mask_tile(block_mask(args), shape(args), entry, r0, r1, c0, c1);
     }
     // The score function of scaled score s, of row i and key j of flat batch entry `entry`
     __device__ __forceinline__ static float score(float s, u32 entry, long long i, long long j, const void* args) {
