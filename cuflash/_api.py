@@ -121,7 +121,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
         ``score_mod(score, *batch_indices, q_idx, kv_idx)``: the score (scaled, after the
         modifiers above) of row ``q_idx`` and key ``kv_idx`` of a batch entry, as a new score,
         traced and compiled into the kernels once per function and signature
-        (docs/contract.md, "User-defined score and mask functions"). Forward only for now.
+        (docs/contract.md, "User-defined score and mask functions").
     mask_mod : callable, optional
         ``mask_mod(*batch_indices, q_idx, kv_idx)``: whether the row may see the key, with the
         mask above. With packed sequences both see positions in the packed arrays.
@@ -332,12 +332,26 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
             "block_mask": block_mask}
     _checks.check_flag("bias_grad", bias_grad)
     _user.check_backward(score_mod, None, bias is not None and bias_grad and softcap is not None)
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, cu_seqlens_q is not None)
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, bias_grad=bias_grad, **mask)
 
     return out, vjp
+
+
+def _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, packed: bool) -> None:
+    """Starts compiling the backward's kernels with the call's functions on other threads, so
+    that a first forward and backward takes about the longest of the three compiles rather than
+    their sum. Inputs or functions that `attention` refuses are left to it (it raises)."""
+    try:
+        user = _user_functions(score_mod, mask_mod, block_mask, q, k, v)
+        with q.device:
+            _dispatch.compile_user_backward_soon(q.dtype.name, q.shape[-1], v.shape[-1], packed, user.source)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return
 
 
 def merge_attention(outs, lses):

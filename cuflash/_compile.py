@@ -11,7 +11,9 @@ compiled on first use and kept per device.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import threading
 from pathlib import Path
 
@@ -136,16 +138,65 @@ def current_arch() -> str:
 DEFAULT_SMEM_LIMIT = 48 * 1024   # a kernel's dynamic shared-memory limit until raised
 
 
+_building: dict = {}   # (id of a cache, key) -> Future of its build under way
+
+
 def _once(cache: dict, key, build):
     """``cache[key]``, made by ``build()`` at the first call for ``key``: once, however many
-    threads ask (compiling is serialized)."""
+    threads ask; a thread asking while another builds it waits for that build (builds of other
+    keys go on beside it: NVRTC releases the GIL)."""
     fn = cache.get(key)
-    if fn is None:
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = cache.get(key)
+        if fn is not None:
+            return fn
+        future = _building.get((id(cache), key))
+        mine = future is None
+        if mine:
+            future = _building[id(cache), key] = concurrent.futures.Future()
+    if not mine:
+        return future.result()
+    try:
+        fn = build()
+    except BaseException as error:
         with _lock:
-            fn = cache.get(key)
-            if fn is None:
-                fn = cache[key] = build()
+            del _building[id(cache), key]
+        future.set_exception(error)
+        raise
+    with _lock:
+        cache[key] = fn
+        del _building[id(cache), key]
+    future.set_result(fn)
     return fn
+
+
+_compiler_pool = None
+
+
+def compile_soon(name_expressions, user) -> None:
+    """Starts compiling the kernels ``name_expressions`` (with ``user``, as `get_function` takes
+    it) for the current device on other threads, so that a later `get_function` of each finds it
+    compiled or waits for its compile; one not ready later is then compiled where asked, and an
+    error is raised there (here none)."""
+    import cupy
+
+    global _compiler_pool
+    with _lock:
+        if _compiler_pool is None:
+            _compiler_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="cuflash-compile")
+    device = cupy.cuda.runtime.getDevice()
+
+    def compile_one(name):
+        with cupy.cuda.Device(device):
+            get_function(name, 0, user)
+
+    for name in name_expressions:
+        key = (device, name, None if user is None else user.key)
+        if key not in _functions and (id(_functions), key) not in _building:
+            _compiler_pool.submit(compile_one, name)
 
 
 def user_kernel_source(source) -> str:

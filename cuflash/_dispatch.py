@@ -103,6 +103,13 @@ def _function(name: str, smem: int, x, user: bool):
     return _compile.get_function(user_name(name), smem, x.user.source) if user else _compile.get_function(name, smem)
 
 
+def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, source) -> None:
+    """Starts compiling the dk/dv and dq kernels of a backward with the generated functions
+    ``source`` on other threads (`_compile.compile_soon`), the names `backward_launches` takes."""
+    tiles = bwd_tiles(dtype_name, head_dim_bucket(d, dv), FULL, packed)
+    _compile.compile_soon([user_name(n) for n in bwd_names(dtype_name, tiles, packed, FULL)[1:]], source)
+
+
 def forward_launches(x) -> Launches:
     """The forward over the whole broadcast batch: one launch (with at least one query),
     after the one that lists its tiles when the sequences are packed."""
@@ -211,6 +218,8 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     dkdv_params = _params.bwd_params(x, dkdv_res, layout)
     dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
     dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
+    if user:   # (dq compiles on another thread while dk/dv compiles here)
+        _compile.compile_soon((user_name(dq_name),), x.user.source)
     dkdv = Launch(_function(dkdv_name, dkdv_smem, x, user), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
                   dkdv_params, DKDV_FIELDS)
     adds_dq = sm90 is not None and sm90.dkdv_adds_dq   # then no dq pass: delta first, and dq in float32 sums

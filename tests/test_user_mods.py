@@ -339,3 +339,35 @@ def test_a_block_mask_that_does_not_fit_raises_before_any_launch(monkeypatch):
             cuflash.attention(q, k, v, **kw)
         with pytest.raises(error, match=message):
             cuflash.attention_backward(q, q, k, v, out, lse, **kw)
+
+
+def test_attention_vjp_starts_the_backward_compiles_before_the_forward_runs(monkeypatch):
+    """With a function new to the process, attention_vjp has the backward's dk/dv and dq kernels
+    compiling (or compiled) on other threads when its forward starts, those the backward then
+    takes; its gradients those of attention_backward."""
+    import cupy
+
+    from cuflash import _compile
+
+    offset = float(np.random.default_rng().integers(1, 2**20))   # a new function: a new source
+    score_mod = lambda s, b, h, q, k: s - (q - k) * (1.0 / offset)   # noqa: E731
+    rng = np.random.default_rng(7)
+    q, k, v, dout = (random_array(rng, (1, 2, 160, 64), "bfloat16") for _ in range(4))
+    asked = []
+    monkeypatch.setattr(_compile, "compile_soon", lambda names, user, soon=_compile.compile_soon:
+                        (asked.append(tuple(names)), soon(names, user))[1])
+    forward = []
+    get_function = _compile.get_function
+    monkeypatch.setattr(_compile, "get_function", lambda name, smem, user=None:
+                        (forward.append((name, len(asked))), get_function(name, smem, user))[1])
+    out, vjp = cuflash.attention_vjp(q, k, v, score_mod=score_mod)
+    assert len(asked) == 1 and len(asked[0]) == 2, asked
+    assert forward and all(n == 1 for _, n in forward)   # (the forward's kernel asked after them)
+    forward.clear()
+    grads = vjp(dout)
+    backward_names = {name for name, _ in forward if "UserScores" in name}
+    assert backward_names == set(asked[0])
+    _, lse = cuflash.attention(q, k, v, score_mod=score_mod, return_lse=True)
+    want = cuflash.attention_backward(dout, q, k, v, out, lse, score_mod=score_mod)
+    for got, ref in zip(grads, want):
+        cupy.testing.assert_array_equal(got, ref)
