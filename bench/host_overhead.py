@@ -125,7 +125,7 @@ def adapter(q, k, v, do, args):
     tq, tk, tv = (torch.from_dlpack(x).requires_grad_() for x in (q, k, v))
     tdo = torch.from_dlpack(do)
     tout = cuflash.torch.attention(tq, tk, tv, causal=True)
-    stream = torch.cuda.current_stream()
+    handle = cuflash.torch._current_stream(tq.device)   # noqa: SLF001
     on_torch = cuflash.torch._on_torch(cupy, tq.device)   # noqa: SLF001  (the adapter's own context)
     with on_torch:
         parts = {
@@ -135,7 +135,9 @@ def adapter(q, k, v, do, args):
             "cupy.from_dlpack(tensor)": lambda: cupy.from_dlpack(tq.detach()),
             "torch.from_dlpack(cupy array)": lambda: torch.from_dlpack(q),
             "torch.cuda.current_stream()": torch.cuda.current_stream,
-            "CuPy's wrapper of torch's stream": lambda: cuflash.torch._cupy_stream(cupy, stream),   # noqa: SLF001
+            "its handle alone": lambda: cuflash.torch._current_stream(tq.device),   # noqa: SLF001
+            "CuPy's wrapper of torch's stream": lambda: cuflash.torch._cupy_stream(   # noqa: SLF001
+                cupy, handle, tq.device.index),
             "tensor.detach()": tq.detach,
             # the same memory exchanged without DLPack's stream handshake, for comparison
             "cupy.ndarray over the tensor's memory": lambda: wrap(tq),

@@ -49,11 +49,19 @@ def sum_parts(cupy, partial):
 
 def scale_dq_sums(sums, dq, scale: float) -> None:
     """dq = sums * scale in dq's type, from the float32 sums of dq's shape that the Hopper
-    dk/dv pass added up in its accumulators' order (kernels/prefill/reduce.cuh)."""
-    pairs = sums.size // 2
+    dk/dv pass added up in its accumulators' order (kernels/prefill/reduce.cuh), on the
+    current stream."""
+    scale_dq_sums_at(sums.data.ptr, dq.data.ptr, dq.dtype.name, dq.shape[-1], sums.size, scale)
+
+
+def scale_dq_sums_at(sums: int, dq: int, dtype_name: str, head_dim: int, size: int, scale: float) -> None:
+    """`scale_dq_sums` on pointers: ``size`` sums at ``sums``, dq of ``dtype_name`` and
+    ``head_dim`` at ``dq`` (contiguous, as the kernels write both)."""
+    pairs = size // 2
     if pairs:
-        fn = _compile.get_function(scale_dq_sums_name(dq.dtype.name, dq.shape[-1]), 0)
-        fn((min(-(-pairs // 256), 8 * sm_count()),), (256,), (sums, dq, np.float32(scale), np.int64(pairs)))
+        fn = _compile.get_function(scale_dq_sums_name(dtype_name, head_dim), 0)
+        fn((min(-(-pairs // 256), 8 * sm_count()),), (256,), (np.uint64(sums), np.uint64(dq), np.float32(scale),
+                                                               np.int64(pairs)))
 
 
 def _dq_in_any_order(x) -> bool:

@@ -300,6 +300,12 @@ class KVCacheLaunches:
 DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
 
 
+def call_arrays(names: tuple[str, ...], **given) -> tuple:
+    """The arrays of a call in the order of ``names`` (FWD_ARRAYS or BWD_ARRAYS), those not
+    given None (a null pointer)."""
+    return tuple(given.get(name) for name in names)
+
+
 # Device memory that calls reuse in place of allocations, never handed back: kernels queued
 # or captured in a CUDA graph may use it long after the call returns. Each block comes
 # straight from the driver (cupy.cuda.Memory), not from CuPy's pool, whose blocks are
@@ -382,13 +388,16 @@ def split_workspace(cupy, device: int, stream: int, count_bytes: int, part_bytes
     return pointer, pointer + counts
 
 
-def tile_counter(cupy, device: int) -> int:
+def tile_counter(cupy, device: int, stream: int | None = None) -> int:
     """A pointer to a zeroed tile counter on ``device`` (current), which a persistent forward's
     blocks draw their tiles from (kernels/attention/tile_queue.cuh) and leave at zero: the
-    current stream's, which its launches use in turn, as split_workspace's; or, while the
-    stream captures a CUDA graph, one of the graph's own, since a graph may be replayed on
-    any stream, beside the capturing stream's own calls."""
-    stream = cupy.cuda.get_current_stream()
-    if stream.is_capturing():
-        return _new_block(cupy, 256, True)
-    return _kept(cupy, _tile_counters, _stream_key(device, stream.ptr), (8,), (256,), True)[0]
+    stream's (the handle ``stream``, not capturing; by default the current stream), which its
+    launches use in turn, as split_workspace's; or, while the current stream captures a CUDA
+    graph, one of the graph's own, since a graph may be replayed on any stream, beside the
+    capturing stream's own calls."""
+    if stream is None:
+        current = cupy.cuda.get_current_stream()
+        if current.is_capturing():
+            return _new_block(cupy, 256, True)
+        stream = current.ptr
+    return _kept(cupy, _tile_counters, _stream_key(device, stream), (8,), (256,), True)[0]

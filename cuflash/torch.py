@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 from torch import Tensor
 
-from . import _api, _checks, reference
+from . import _api, _checks, _dispatch, _launch, _plans, reference
 
 __all__ = ["attention", "attention_kvcache", "merge_attention", "register_transformers"]
 
@@ -37,26 +37,32 @@ def _host_tensor(x):
 
 
 class _StreamHandle:
-    """A torch stream through the CUDA stream protocol, which CuPy 14 reads; it keeps the torch
-    stream alive as long as CuPy's wrapper of it."""
+    """A cudaStream_t through the CUDA stream protocol, which CuPy 14 reads."""
 
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self, handle):
+        self.handle = handle
 
     def __cuda_stream__(self):
-        return (0, self.stream.cuda_stream)
+        return (0, self.handle)
 
 
 _CUPY_STREAMS = {}   # (cudaStream_t, device index) -> its CuPy stream
 
 
-def _cupy_stream(cupy, stream):
-    """The same cudaStream_t as a CuPy stream: nothing created on the GPU, nothing synchronised;
-    one wrapper per stream, made at its first call (torch's streams live as long as the process)."""
-    key = (stream.cuda_stream, stream.device.index)
+def _current_stream(device) -> int:
+    """torch's current stream on ``device`` as a cudaStream_t, read without making a
+    torch.cuda.Stream (8 us a call on an H100's host, bench/host_overhead.py --adapter)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+def _cupy_stream(cupy, handle: int, index: int):
+    """The stream ``handle`` of device ``index`` as a CuPy stream: nothing created on the GPU,
+    nothing synchronised; one wrapper per stream, made at its first call (torch's streams live as
+    long as the process)."""
+    key = (handle, index)
     if key not in _CUPY_STREAMS:
         if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14 (ExternalStream is deprecated there)
-            _CUPY_STREAMS[key] = cupy.cuda.Stream.from_external(_StreamHandle(stream))
+            _CUPY_STREAMS[key] = cupy.cuda.Stream.from_external(_StreamHandle(handle))
         else:
             _CUPY_STREAMS[key] = cupy.cuda.ExternalStream(*key)
     return _CUPY_STREAMS[key]
@@ -72,7 +78,7 @@ def _torch_malloc(cupy, device, size):
 @contextlib.contextmanager
 def _on_torch(cupy, device):
     # torch's current stream, so that the kernels are ordered with torch's work and nobody waits
-    with _cupy_stream(cupy, torch.cuda.current_stream(device)):
+    with _cupy_stream(cupy, _current_stream(device), device.index):
         if torch.cuda.is_current_stream_capturing():
             # CuPy's pool may not allocate while a stream captures, and what it handed out would
             # go back to it while the graph still writes there: torch's graph pool keeps it
@@ -191,14 +197,82 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
     # seed: a CPU int64 tensor (its value, mod 2**64, read here with no synchronisation), None without dropout
     packed = cu_seqlens_q is not None
     _refuse_capture(q.device, dropout_p)
-    fns, array, tensor, stream = _backend(q.device)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
+    ready = None
+    if q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+        ready = ("fwd", q.dtype, *map(_layout, (qk, kk, vk)), causal, window_left, window_right, scale, softcap)
+        plan = _READY.get(ready)
+        if plan is not None and _launchable(q.device):
+            out, lse = _run_forward(plan, qk, kk, vk)
+            return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
+    fns, array, tensor, stream = _backend(q.device)
     with stream:
-        out, lse = fns.attention(array(qk), array(kk), array(vk), return_lse=True, **_keywords(
+        arrays = tuple(map(array, (qk, kk, vk)))
+        out, lse = fns.attention(*arrays, return_lse=True, **_keywords(
             array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
             softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check))
         out, lse = tensor(out).to(q.dtype), tensor(lse).to(torch.float32)
+        if ready is not None:
+            plan, used = _plans.forward(*arrays, causal, _window(window_left, window_right), scale, None,
+                                        _api._mods(softcap, None, None))
+            if _same(used[:3], arrays) and plan.shapes[0][-1] == vk.shape[-1]:
+                _keep_ready(ready, plan)
     return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
+
+
+# Launch-ready calls. A call whose plan cuflash's API made and kept, taking its tensors' memory as it
+# is (no copy, no padding), is kept here by its layouts and keywords; a later call with the same
+# ones launches that plan's kernels on the tensors' pointers and torch's current stream, its outputs
+# from torch's allocator: no checks again, no CuPy arrays, no DLPack. Calls with packed sequences or
+# modifiers that travel as arrays (ALiBi slopes, sinks, a bias, dropout) take the whole way.
+_READY: dict = {}
+MAX_READY = 512   # beyond this many signatures the table starts over
+
+
+def _plain(alibi_slopes, sinks, bias, dropout_p) -> bool:
+    return alibi_slopes is None and sinks is None and bias is None and not dropout_p
+
+
+def _layout(t):
+    """A tensor's part of a launch-ready signature: what a plan depends on."""
+    return t.device.index, t.shape, t.stride(), t.data_ptr() % 16 == 0
+
+
+def _window(left, right):
+    return None if left is None and right is None else (left, right)
+
+
+def _same(got, given) -> bool:
+    """Whether the API took the arrays it was given as they are."""
+    return all(a is b for a, b in zip(got, given))
+
+
+def _keep_ready(key, plan) -> None:
+    if plan.launches.runs:   # (no launch: an empty call, which the whole way answers)
+        if len(_READY) >= MAX_READY:
+            _READY.clear()
+        _READY[key] = plan
+
+
+def _launchable(device) -> bool:
+    """Whether a launch-ready call may run now: on torch's current device (whose context the
+    launches use) and outside a CUDA graph's capture (whose memory the whole way takes from
+    the graph's pool)."""
+    return device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+
+
+def _run_forward(plan, q, k, v):
+    """out and lse of a launch-ready forward in cuflash's layout."""
+    device, stream = q.device, _current_stream(q.device)
+    out = torch.empty(plan.shapes[0], dtype=q.dtype, device=device)
+    lse = torch.empty(plan.shapes[1], dtype=torch.float32, device=device)
+    counter = (_launch.tile_counter(_checks.require_cupy(), device.index, stream) if plan.launches.counted
+               else None)
+    arrays = _launch.call_arrays(_launch.FWD_ARRAYS, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+                                 out=out.data_ptr(), lse=lse.data_ptr(), tile_counter=counter)
+    for launch in plan.launches.runs:
+        launch.run(arrays, stream)
+    return out, lse
 
 
 _attention_fwd = torch.library.custom_op("cuflash::attention_fwd", mutates_args=())(_forward)
@@ -226,17 +300,35 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     cannot be None."""
     packed = cu_seqlens_q is not None
     _refuse_capture(q.device, dropout_p)
-    fns, array, tensor, stream = _backend(q.device)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     if deterministic is None:   # not given: torch's switch, read when the backward runs, as torch's kernels do
         deterministic = torch.are_deterministic_algorithms_enabled()
+    dout_k, out_k, lse_k = _kernel_rows(dout, packed, groups), _kernel_rows(out, packed, groups), _kernel_lse(lse, groups)
+    ready = None
+    if q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+        ready = ("bwd", bool(deterministic), q.dtype, *map(_layout, (dout_k, qk, kk, vk, out_k, lse_k)), causal,
+                 window_left, window_right, scale, softcap)
+        plan = _READY.get(ready)
+        if plan is not None and _launchable(q.device):
+            dq, dk, dv = _run_backward(plan, dout_k, qk, kk, vk, out_k, lse_k)
+            return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
+                    _caller_rows(dv, packed, groups, grouped=False), _or_empty(None, q), _or_empty(None, q))
+    fns, array, tensor, stream = _backend(q.device)
     with stream:
+        arrays = tuple(map(array, (dout_k, qk, kk, vk, out_k, lse_k)))
         grads = fns.attention_backward(
-            array(_kernel_rows(dout, packed, groups)), array(qk), array(kk), array(vk),
-            array(_kernel_rows(out, packed, groups)), array(_kernel_lse(lse, groups)), deterministic=deterministic,
+            *arrays, deterministic=deterministic,
             bias_grad=bias_grad, **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                              window_left, window_right, scale, softcap, alibi_slopes, sinks, bias,
                                              dropout_p, seed, groups, check))
+        if ready is not None:
+            plan, used = _plans.backward(*arrays, causal, _window(window_left, window_right), scale, None,
+                                         bool(deterministic), _api._mods(softcap, None, None))
+            launches = plan.launches
+            if (_same(used[:6], arrays[1:] + arrays[:1]) and not launches.tile_lists
+                    and plan.shapes[:3] == (qk.shape, kk.shape, vk.shape)
+                    and (plan.dkdv_entries is None or plan.dkdv_entries[1] == 1)):
+                _keep_ready(ready, plan)
         grads = list(grads)
         dq, dk, dv = (tensor(grads.pop(0)).to(q.dtype) for _ in range(3))
         # (the kernels' bias is a view of the caller's: its gradient, contiguous, is viewed back)
@@ -244,6 +336,25 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
         dsinks = tensor(grads.pop(0)).to(torch.float32).reshape(sinks.shape) if sinks is not None else None
     return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
             _caller_rows(dv, packed, groups, grouped=False), _or_empty(dbias, q), _or_empty(dsinks, q))
+
+
+def _run_backward(plan, dout, q, k, v, out, lse):
+    """dq, dk, dv of a launch-ready backward in cuflash's layout."""
+    device, stream = q.device, _current_stream(q.device)
+    dq, dk, dv = (torch.empty(shape, dtype=q.dtype, device=device) for shape in plan.shapes[:3])
+    delta = torch.empty(plan.shapes[3], dtype=torch.float32, device=device)
+    sums = None if plan.launches.dq_sums is None else torch.zeros(plan.shapes[0], dtype=torch.float32, device=device)
+    arrays = _launch.call_arrays(_launch.BWD_ARRAYS, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+                                 out=out.data_ptr(), lse=lse.data_ptr(), dout=dout.data_ptr(), delta=delta.data_ptr(),
+                                 dq=(dq if sums is None else sums).data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr())
+    for launch in plan.launches.runs:
+        launch.run(arrays, stream)
+    if sums is not None:
+        cupy = _checks.require_cupy()
+        with _cupy_stream(cupy, stream, device.index):
+            _dispatch.scale_dq_sums_at(sums.data_ptr(), dq.data_ptr(), str(q.dtype).removeprefix("torch."),
+                                       dq.shape[-1], sums.numel(), plan.launches.dq_sums)
+    return dq, dk, dv
 
 
 _attention_bwd = torch.library.custom_op("cuflash::attention_bwd", mutates_args=())(_backward_kernels)

@@ -794,24 +794,78 @@ def test_gpu_decoding_step_under_cuda_graph_capture():
 
 
 @requires_gpu
-def test_gpu_outputs_go_back_to_cupys_pool_when_they_die():
-    """Outside graph capture out and the gradients come from CuPy's pool, through DLPack with no
-    copy, and return to it when their tensors die: nothing leaks across steps."""
+def test_gpu_outputs_go_back_to_their_pools_when_they_die(monkeypatch):
+    """A call's first time, through cuflash's API, takes out and the gradients from CuPy's pool
+    (through DLPack, no copy), a repeat call (launch-ready) from torch's caching allocator; both
+    give them back when their tensors die: nothing leaks across steps."""
     import cupy
 
-    q, k, v = qkv(2, 8, 2, 512, 512, 64, device="cuda", dtype=torch.float16, grad=True)
-    ct.attention(q, k, v, enable_gqa=True).sum().backward()   # compiled, planned, caches filled
-    q.grad = k.grad = v.grad = None
-    torch.cuda.synchronize()
+    monkeypatch.setattr(ct, "_READY", {})
     pool = cupy.get_default_memory_pool()
-    before = pool.used_bytes()
-    out = ct.attention(q, k, v, enable_gqa=True)
-    assert pool.used_bytes() - before >= out.numel() * out.element_size()
-    out.sum().backward()
-    del out
-    q.grad = k.grad = v.grad = None
-    torch.cuda.synchronize()
-    assert pool.used_bytes() == before
+    q, k, v = qkv(2, 8, 2, 512, 512, 64, device="cuda", dtype=torch.float16, grad=True)
+    for step in range(3):
+        torch.cuda.synchronize()
+        before = pool.used_bytes(), torch.cuda.memory_allocated()
+        out = ct.attention(q, k, v, enable_gqa=True)
+        grown = pool.used_bytes() - before[0], torch.cuda.memory_allocated() - before[1]
+        assert grown[0 if step == 0 else 1] >= out.numel() * out.element_size(), (step, grown)
+        out.sum().backward()
+        del out
+        q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize()
+        assert (pool.used_bytes(), torch.cuda.memory_allocated()) == before, step
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype, hq, hkv, d, keywords", [
+    (torch.float16, 8, 2, 64, dict(causal=True, deterministic=True)),
+    (torch.bfloat16, 8, 8, 128, dict(window=(100, 0), softcap=30.0, deterministic=True)),
+    (torch.bfloat16, 16, 4, 128, dict(causal=True, deterministic=False)),
+    (torch.float16, 4, 4, 64, dict(scale=0.3, deterministic=False)),
+])
+def test_gpu_repeat_calls_launch_the_kept_plans(monkeypatch, dtype, hq, hkv, d, keywords):
+    """A call's first time goes through cuflash's API and keeps its plans; a repeat call with the
+    same layouts and keywords launches them without the API, on torch's current stream, with the
+    same bits (deterministic: the same bits; not: within SDPA's error of float64 SDPA), outputs
+    poisoned before the kernels write them."""
+    import cuflash
+
+    monkeypatch.setattr(ct, "_READY", {})
+    gqa = hq != hkv
+    q, k, v = qkv(2, hq, hkv, 300, 300, d, device="cuda", dtype=dtype, grad=True)
+    dout = make((2, hq, 300, d), device="cuda", dtype=dtype, seed=4)
+    first = ours_grads(q, k, v, dout, enable_gqa=gqa, **keywords)
+    assert {key[0] for key in ct._READY} == {"fwd", "bwd"}
+
+    def refuse(*args, **kw):
+        raise AssertionError("a repeat call went through cuflash's API")
+
+    monkeypatch.setattr(cuflash._api, "attention", refuse)
+    monkeypatch.setattr(cuflash._api, "attention_backward", refuse)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    empty = torch.empty
+
+    def poisoned(*args, **kw):   # (every output of the launch-ready calls comes from torch.empty)
+        return empty(*args, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    with torch.cuda.stream(stream):
+        again = ours_grads(q, k, v, dout, enable_gqa=gqa, **keywords)
+    monkeypatch.setattr(torch, "empty", empty)
+    torch.cuda.current_stream().wait_stream(stream)
+    if keywords["deterministic"]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), again, first):
+            assert torch.equal(a, b), name
+    else:
+        kw = dict(is_causal=keywords.get("causal", False), scale=keywords.get("scale"))
+        ref = sdpa_grads(*(x.detach().double().requires_grad_() for x in (q, k, v)), dout.double(), enable_gqa=gqa,
+                         **kw)
+        theirs = sdpa_grads(q, k, v, dout, enable_gqa=gqa, **kw)
+        ulp = torch.finfo(dtype).eps
+        for name, c, o, t, r in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3), again, theirs, ref):
+            err, their_err = ((x.double() - r).abs().max().item() for x in (o, t))
+            assert err <= c * their_err + 4 * ulp * max(1.0, r.abs().max().item()), name
 
 
 @requires_gpu
@@ -834,6 +888,7 @@ def test_gpu_inputs_reach_the_kernels_without_a_copy_on_torch_stream(monkeypatch
 
     import cuflash
 
+    monkeypatch.setattr(ct, "_READY", {})   # (a call's first time goes through cuflash.attention)
     q, k, v = qkv(1, 4, 4, 128, 128, 64, device="cuda", dtype=torch.float16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())   # q, k, v were written on the default stream
