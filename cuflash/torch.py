@@ -77,15 +77,14 @@ def _torch_malloc(cupy, device, size):
 
 @contextlib.contextmanager
 def _on_torch(cupy, device):
-    # torch's current stream, so that the kernels are ordered with torch's work and nobody waits
-    with _cupy_stream(cupy, _current_stream(device), device.index):
-        if torch.cuda.is_current_stream_capturing():
-            # CuPy's pool may not allocate while a stream captures, and what it handed out would
-            # go back to it while the graph still writes there: torch's graph pool keeps it
-            with cupy.cuda.using_allocator(functools.partial(_torch_malloc, cupy, device)):
-                yield
-        else:   # CuPy's pool: outputs go back to it when their tensors die
-            yield
+    # torch's current stream, so that the kernels are ordered with torch's work and nobody waits;
+    # memory from torch's caching allocator, so that results behave as torch's own (record_stream)
+    # and, under CUDA graph capture, come from the graph's private pool (CuPy's pool may not
+    # allocate while a stream captures, and what it handed out would go back to it while the graph
+    # still writes there)
+    with _cupy_stream(cupy, _current_stream(device), device.index), \
+            cupy.cuda.using_allocator(functools.partial(_torch_malloc, cupy, device)):
+        yield
 
 
 _CUPY_DTYPES = {}   # torch dtype -> the CuPy dtype DLPack gives its tensors
