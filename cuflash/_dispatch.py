@@ -38,13 +38,20 @@ def merge_launch(cupy, outs, lses, out, lse) -> None:
 def sum_parts(cupy, partial):
     """(before, parts, ...) partial sums of a split grouped dk/dv pass, added in float32 by one
     kernel (kernels/prefill/reduce.cuh): (before, ...)."""
-    before, parts = partial.shape[:2]
-    total = cupy.empty((before,) + partial.shape[2:], dtype=partial.dtype)
-    if total.size:
-        fn = _compile.get_function(sum_parts_name(partial.dtype.name), 0)
-        blocks = min(-(-total.size // 512), 8 * sm_count())
-        fn((blocks,), (256,), (partial, total, np.int64(before), np.int32(parts), np.int64(total.size // before)))
+    total = cupy.empty(partial.shape[:1] + partial.shape[2:], dtype=partial.dtype)
+    sum_parts_at(partial.data.ptr, total.data.ptr, partial.dtype.name, partial.shape, total.size)
     return total
+
+
+def sum_parts_at(partial: int, total: int, dtype_name: str, shape, size: int) -> None:
+    """`sum_parts` on pointers, on the current stream: partial sums of ``shape`` (before, parts,
+    ...) at ``partial`` into their ``size`` totals at ``total`` (both contiguous)."""
+    if size:
+        before, parts = shape[:2]
+        fn = _compile.get_function(sum_parts_name(dtype_name), 0)
+        blocks = min(-(-size // 512), 8 * sm_count())
+        fn((blocks,), (256,), (np.uint64(partial), np.uint64(total), np.int64(before), np.int32(parts),
+                               np.int64(size // before)))
 
 
 def scale_dq_sums(sums, dq, scale: float) -> None:

@@ -199,7 +199,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     ready = None
     if q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
-        ready = ("fwd", q.dtype, *map(_layout, (qk, kk, vk)), causal, window_left, window_right, scale, softcap)
+        ready = ("fwd", *map(_layout, (qk, kk, vk)), *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
         if plan is not None and _launchable(q.device):
             out, lse = _run_forward(plan, qk, kk, vk)
@@ -233,8 +233,14 @@ def _plain(alibi_slopes, sinks, bias, dropout_p) -> bool:
 
 
 def _layout(t):
-    """A tensor's part of a launch-ready signature: what a plan depends on."""
-    return t.device.index, t.shape, t.stride(), t.data_ptr() % 16 == 0
+    """A tensor's part of a launch-ready signature: what a plan depends on (and what its checks
+    read: a tensor of another dtype must not find the plan)."""
+    return t.dtype, t.device.index, t.shape, t.stride(), t.data_ptr() % 16 == 0
+
+
+def _typed(*values):
+    """Keywords as a signature holds them: with their types, as the checks see them (1 is not True)."""
+    return tuple((type(x), x) for x in values)
 
 
 def _window(left, right):
@@ -305,8 +311,8 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     dout_k, out_k, lse_k = _kernel_rows(dout, packed, groups), _kernel_rows(out, packed, groups), _kernel_lse(lse, groups)
     ready = None
     if q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
-        ready = ("bwd", bool(deterministic), q.dtype, *map(_layout, (dout_k, qk, kk, vk, out_k, lse_k)), causal,
-                 window_left, window_right, scale, softcap)
+        ready = ("bwd", bool(deterministic), *map(_layout, (dout_k, qk, kk, vk, out_k, lse_k)),
+                 *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
         if plan is not None and _launchable(q.device):
             dq, dk, dv = _run_backward(plan, dout_k, qk, kk, vk, out_k, lse_k)
@@ -323,10 +329,7 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
         if ready is not None:
             plan, used = _plans.backward(*arrays, causal, _window(window_left, window_right), scale, None,
                                          bool(deterministic), _api._mods(softcap, None, None))
-            launches = plan.launches
-            if (_same(used[:6], arrays[1:] + arrays[:1]) and not launches.tile_lists
-                    and plan.shapes[:3] == (qk.shape, kk.shape, vk.shape)
-                    and (plan.dkdv_entries is None or plan.dkdv_entries[1] == 1)):
+            if _same(used[:6], arrays[1:] + arrays[:1]) and _gradients_as_given(plan, qk, kk, vk):
                 _keep_ready(ready, plan)
         grads = list(grads)
         dq, dk, dv = (tensor(grads.pop(0)).to(q.dtype) for _ in range(3))
@@ -337,8 +340,20 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
             _caller_rows(dv, packed, groups, grouped=False), _or_empty(dbias, q), _or_empty(dsinks, q))
 
 
+def _gradients_as_given(plan, q, k, v) -> bool:
+    """Whether a backward plan's kernels give dq, dk and dv in the shapes of q, k and v as the
+    kernels read them (no padding to slice off, no broadcast dims to sum over), dk and dv
+    perhaps in partial sums over parts of each query group, and need no tile lists."""
+    if plan.launches.tile_lists or plan.shapes[0] != q.shape:
+        return False
+    if plan.dkdv_entries is None or plan.dkdv_entries[1] == 1:
+        return plan.shapes[1:3] == (k.shape, v.shape)
+    return plan.shapes[1][-2:] == k.shape[-2:] and plan.shapes[2][-2:] == v.shape[-2:]
+
+
 def _run_backward(plan, dout, q, k, v, out, lse):
-    """dq, dk, dv of a launch-ready backward in cuflash's layout."""
+    """dq, dk, dv of a launch-ready backward in cuflash's layout (`_api.attention_backward`'s
+    work for the plans `_gradients_as_given` takes)."""
     device, stream = q.device, _current_stream(q.device)
     dq, dk, dv = (torch.empty(shape, dtype=q.dtype, device=device) for shape in plan.shapes[:3])
     delta = torch.empty(plan.shapes[3], dtype=torch.float32, device=device)
@@ -348,12 +363,23 @@ def _run_backward(plan, dout, q, k, v, out, lse):
                                  dq=(dq if sums is None else sums).data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr())
     for launch in plan.launches.runs:
         launch.run(arrays, stream)
-    if sums is not None:
-        cupy = _checks.require_cupy()
-        with _cupy_stream(cupy, stream, device.index):
-            _dispatch.scale_dq_sums_at(sums.data_ptr(), dq.data_ptr(), str(q.dtype).removeprefix("torch."),
-                                       dq.shape[-1], sums.numel(), plan.launches.dq_sums)
+    split = plan.dkdv_entries is not None and plan.dkdv_entries[1] > 1
+    if sums is None and not split:
+        return dq, dk, dv
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    with _cupy_stream(_checks.require_cupy(), stream, device.index):   # (the kernels CuPy launches)
+        if sums is not None:
+            _dispatch.scale_dq_sums_at(sums.data_ptr(), dq.data_ptr(), dtype_name, dq.shape[-1], sums.numel(),
+                                       plan.launches.dq_sums)
+        if split:   # the partial sums over parts of each group, added up
+            dk, dv = (_summed_parts(part, dtype_name, like) for part, like in ((dk, k), (dv, v)))
     return dq, dk, dv
+
+
+def _summed_parts(partial, dtype_name, like):
+    total = torch.empty(like.shape, dtype=partial.dtype, device=partial.device)
+    _dispatch.sum_parts_at(partial.data_ptr(), total.data_ptr(), dtype_name, partial.shape, total.numel())
+    return total
 
 
 _attention_bwd = torch.library.custom_op("cuflash::attention_bwd", mutates_args=())(_backward_kernels)
