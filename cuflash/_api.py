@@ -388,7 +388,7 @@ def merge_attention(outs, lses):
 
 def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
                       causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False,
-                      softcap=None, alibi_slopes=None, sinks=None):
+                      softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None):
     """Attention of a few new query rows per sequence against a KV cache (decoding).
 
     Parameters
@@ -427,6 +427,9 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
         head, of a shape that broadcasts to q's dims before Nq, ``(B, ...)`` (with grouped
         queries, usually ``(Hkv, G)``); ALiBi's distance is ``|cache_seqlens[b] + Nnew - Nq + i - j|``
         for new row i and key j. Each row's sink joins its softmax once, whatever ``num_splits``.
+    score_mod, mask_mod
+        Not yet on the GPU (NotImplementedError, before anything is written);
+        ``cuflash.reference.attention_kvcache`` takes them.
 
     Returns
     -------
@@ -438,6 +441,9 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     --------
     cuflash.reference.attention_kvcache : the NumPy float64 version.
     """
+    if score_mod is not None or mask_mod is not None:
+        raise NotImplementedError("cuflash.attention_kvcache does not take score_mod or mask_mod yet "
+                                  "(cuflash.reference.attention_kvcache does)")
     mods = _mods(softcap, alibi_slopes, sinks)
     plan, (q_, k_, v_, seqlens, table, k_new_, v_new_) = _plans.kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check, mods)

@@ -752,7 +752,7 @@ def _host_cache(name: str, x) -> np.ndarray:
 
 def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
                       causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False,
-                      softcap=None, alibi_slopes=None, sinks=None):
+                      softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None):
     """Attention of a few new query rows per sequence against a KV cache, in float64; the
     NumPy twin of `cuflash.attention_kvcache` (docs/contract.md), whose shape rules it applies
     (`cuflash._checks.kvcache_shapes`): D and Dv whole 16-byte rows of q's dtype up to 256, query
@@ -788,12 +788,20 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
         As in `attention`, per sequence: ``alibi_slopes`` and ``sinks`` broadcast to q's dims
         before Nq, ``(B, ...)``, and ALiBi's offset is ``Nk_b - Nq``. A sequence with no key
         gives out 0 and lse its sink.
+    score_mod, mask_mod
+        As in `attention` (docs/contract.md, "User-defined score and mask functions"), with one
+        index per dim of q before Nq (the sequence ``b`` first), and the positions in the
+        sequence: ``q_idx`` of row i is ``Nk_b - Nq + i`` (the new rows are the sequence's last),
+        ``kv_idx`` the key's place in the sequence, so that ``q_idx >= kv_idx`` is causal.
 
     Returns
     -------
     out : ndarray, shape (B, ...) + (Nq, Dv), float64
     lse : ndarray, shape (B, ...) + (Nq,), only with ``return_lse=True``
     """
+    for role, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):   # (their TypeErrors, before any write)
+        if fn is not None:
+            HostFunction(fn, role, np.ndim(q) - 2)
     left, right = normalize_window(causal, window)
     check_softcap(softcap)
     q_dtype = _host_dtype("q", q)   # the GPU function's rules on head dims are in its rows of this dtype
@@ -837,12 +845,24 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
             np.zeros(k_cache.shape[1:-2] + (0, k_cache.shape[-1]))
         v = np.stack([v_cache[page, ..., row, :] for page, row in keys], axis=-2) if keys else \
             np.zeros(v_cache.shape[1:-2] + (0, v_cache.shape[-1]))
+        functions = _in_sequence(b, int(lengths[b]) - q.shape[-2], score_mod, mask_mod)
         out, lse = attention(q[b], k, v, window=(left, right), scale=scale, return_lse=True, softcap=softcap,
-                             **{name: x[b] for name, x in per_entry.items()})
+                             **functions, **{name: x[b] for name, x in per_entry.items()})
         outs.append(out)
         lses.append(lse)
     out, lse = np.stack(outs), np.stack(lses)
     return (out, lse) if return_lse else out
+
+
+def _in_sequence(b: int, offset: int, score_mod, mask_mod) -> dict:
+    """``attention_kvcache``'s functions as ``attention`` over sequence ``b`` alone calls them:
+    with the sequence's index first, and rows at ``offset`` (Nk_b - Nq) past their place."""
+    functions = {}
+    if score_mod is not None:
+        functions["score_mod"] = lambda score, *idx: score_mod(score, b, *idx[:-2], idx[-2] + offset, idx[-1])
+    if mask_mod is not None:
+        functions["mask_mod"] = lambda *idx: mask_mod(b, *idx[:-2], idx[-2] + offset, idx[-1])
+    return functions
 
 
 def merge_attention(outs, lses):

@@ -450,7 +450,8 @@ def test_kvcache_sinks_on_sequences_with_no_key():
 @pytest.mark.parametrize("bad, error", [
     (dict(softcap=-1.0), ValueError), (dict(softcap=float("nan")), ValueError), (dict(softcap="1"), TypeError),
     (dict(alibi_slopes="float64"), TypeError), (dict(alibi_slopes=(5,)), ValueError), (dict(sinks=(3, 2, 1)), ValueError),
-    (dict(sinks="numpy"), TypeError),
+    (dict(sinks="numpy"), TypeError), (dict(score_mod="a function"), NotImplementedError),
+    (dict(mask_mod="a function"), NotImplementedError),
 ])
 def test_kvcache_bad_modifiers_raise_before_any_launch(monkeypatch, bad, error):
     """Checked as attention checks them, against q's dims before Nq, (B, Hkv, G) = (2, 2, 4),
@@ -463,7 +464,9 @@ def test_kvcache_bad_modifiers_raise_before_any_launch(monkeypatch, bad, error):
     kn, vn = (random_array(rng, (2, 2, 1, 1, 64), "float16") for _ in range(2))
     before = cupy.asnumpy(k)
     name, value = next(iter(bad.items()))
-    if name != "softcap":
+    if name.endswith("_mod"):   # (not yet on the GPU: refused, the reference takes them)
+        value = (lambda s, b, h, g, i, j: s) if name == "score_mod" else (lambda b, h, g, i, j: i >= j)
+    elif name != "softcap":
         value = {"float64": cupy.ones(4, dtype=cupy.float64), "numpy": np.ones(4, dtype=np.float32)}.get(
             value, cupy.ones(value, dtype=cupy.float32) if isinstance(value, tuple) else value)
 

@@ -348,3 +348,68 @@ def test_a_block_mask_that_does_not_fit_the_call_is_refused():
         reference.attention(q, k, v, block_mask=good, mask_mod=lambda b, h, qi, kj: kj <= qi)
     with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
         reference.attention(q, k, v, block_mask=good.kinds)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: the functions see the sequence's index first and positions in the sequence
+# ---------------------------------------------------------------------------------------------
+
+@settings(max_examples=30, **FAST)
+@given(lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3), n_new=st.integers(0, 3),
+       nq=st.integers(1, 4), page_size=st.sampled_from((None, 1, 7)), seed=st.integers(0, 2**32 - 1))
+def test_kvcache_functions_rebuild_alibi_and_causal(lengths, n_new, nq, page_size, seed):
+    """ALiBi as a score function and causal as a mask function, in positions of the sequence
+    (q_idx = Nk_b - Nq + i), give the built-in keywords' out and lse, contiguous or paged, with
+    keys appended; ragged lengths, empty caches."""
+    rng = np.random.default_rng(seed)
+    b, h, d, nmax = len(lengths), 2, 4, 40
+    seqlens = np.array(lengths)
+    slopes = rng.uniform(0.1, 1.0, h).astype(np.float32)
+    q = rng.standard_normal((b, h, nq, d)) * 2
+    kc, vc = rng.standard_normal((b, h, nmax, d)), rng.standard_normal((b, h, nmax, d))
+    kn, vn = rng.standard_normal((b, h, n_new, d)), rng.standard_normal((b, h, n_new, d))
+    table = None
+    if page_size is not None:   # the same keys in pages of a random order
+        pages = -(-nmax // page_size)
+        table = rng.permutation(b * pages).reshape(b, pages).astype(np.int32)
+        kp, vp = np.zeros((b * pages, h, page_size, d)), np.zeros((b * pages, h, page_size, d))
+        for i in range(b):
+            for j in range(nmax):
+                kp[table[i, j // page_size], :, j % page_size], vp[table[i, j // page_size], :, j % page_size] = \
+                    kc[i, :, j], vc[i, :, j]
+        kc, vc = kp, vp
+    common = dict(k_new=kn, v_new=vn, cache_seqlens=seqlens, block_table=table, return_lse=True)
+    got = reference.attention_kvcache(q, kc.copy(), vc.copy(), **common,
+                                      score_mod=lambda s, b, h, i, j: s - slopes[h] * abs(i - j),
+                                      mask_mod=lambda b, h, i, j: i >= j)
+    want = reference.attention_kvcache(q, kc.copy(), vc.copy(), **common, alibi_slopes=slopes, causal=True)
+    assert_same(got, want)
+
+
+def test_kvcache_functions_see_the_sequence_index_first():
+    """A mask function reading a per-sequence table by b: each sequence's rows as attention over
+    that sequence's keys alone with the table's entry."""
+    rng = np.random.default_rng(3)
+    b, h, nq, d, nmax = 3, 2, 3, 8, 24
+    seqlens = np.array([20, 0, 11])
+    first = np.array([4, 0, 9], dtype=np.int32)   # each sequence's first visible key
+    q, kc, vc = rng.standard_normal((b, h, nq, d)), rng.standard_normal((b, h, nmax, d)), rng.standard_normal((b, h, nmax, d))
+    got = reference.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, mask_mod=lambda b, h, i, j: j >= first[b])
+    for i in range(b):
+        low = int(first[i])
+        want = reference.attention(q[i], kc[i, :, : seqlens[i]], vc[i, :, : seqlens[i]],
+                                   mask_mod=lambda h, r, j: j >= low)
+        np.testing.assert_allclose(got[i], want, atol=1e-12)
+
+
+def test_kvcache_functions_that_break_the_rules_raise_before_any_write():
+    rng = np.random.default_rng(4)
+    q, kc, vc = rng.standard_normal((2, 2, 1, 8)), rng.standard_normal((2, 2, 10, 8)), rng.standard_normal((2, 2, 10, 8))
+    kn, vn = rng.standard_normal((2, 2, 1, 8)), rng.standard_normal((2, 2, 1, 8))
+    before = kc.copy(), vc.copy()
+    for kwargs, match in (({"mask_mod": lambda h, i, j: i >= j}, "one index per batch dim"),
+                          ({"score_mod": lambda s, b, h, i, j: s if i > j else s * 2}, "traced value")):
+        with pytest.raises(TypeError, match=match):
+            reference.attention_kvcache(q, kc, vc, k_new=kn, v_new=vn, cache_seqlens=np.array([3, 5]), **kwargs)
+        np.testing.assert_array_equal(kc, before[0])
+        np.testing.assert_array_equal(vc, before[1])
