@@ -301,22 +301,42 @@ def _variables(fn):
                 yield name, fn.__globals__[name]
 
 
-def _walk(fn, visit, seen=None):
-    """Calls ``visit(path, value)`` for every captured array and number of ``fn`` and of the user
-    functions it refers to (depth first, each function once); ``path`` is ``"fn.name"``."""
+def _array_or_number(x) -> bool:
+    return _is_array(x) or _is_number(x)
+
+
+def _walk(fn, visit, seen=None, leaf=_array_or_number):
+    """Calls ``visit(path, value)`` for every captured array and number (every value ``leaf``
+    accepts) of ``fn`` and of the user functions it refers to (depth first, each function once);
+    ``path`` is ``"fn.name"``."""
     seen = set() if seen is None else seen
     seen.add(id(fn))
     for name, value in _variables(fn):
         if _user_function(value):
             if id(value) not in seen:
-                _walk(value, visit, seen)
-        elif _is_array(value) or _is_number(value):
+                _walk(value, visit, seen, leaf)
+        elif leaf(value):
             visit(f"{fn.__qualname__}.{name}", value)
 
 
-def _rebind(fn, replace, memo=None):
-    """A copy of ``fn`` whose captured arrays are ``replace(path, array)`` in it and in the user
-    functions it calls (recursively)."""
+def captured_values(fn, leaf) -> list:
+    """The values ``leaf`` accepts that ``fn`` and the user functions it calls capture, in walk
+    order (each once)."""
+    found = {}
+    _walk(fn, lambda path, value: found.setdefault(id(value), value), leaf=leaf)
+    return list(found.values())
+
+
+def rebind(fn, replace, leaf) -> types.FunctionType:
+    """A copy of ``fn`` whose captured values that ``leaf`` accepts are ``replace(value)``, in it
+    and in the user functions it calls: for an adapter whose callers capture their framework's
+    tensors (cuflash.torch)."""
+    return _rebind(fn, lambda path, value: replace(value), leaf=leaf)
+
+
+def _rebind(fn, replace, memo=None, leaf=_is_array):
+    """A copy of ``fn`` whose captured arrays (values ``leaf`` accepts) are ``replace(path,
+    array)`` in it and in the user functions it calls (recursively)."""
     memo = {} if memo is None else memo
     if id(fn) in memo:
         return memo[id(fn)]
@@ -333,8 +353,8 @@ def _rebind(fn, replace, memo=None):
     by_name = dict(zip(fn.__code__.co_freevars, cells))
     for name, value in list(_variables(fn)):
         if _user_function(value):
-            value = _rebind(value, replace, memo)
-        elif _is_array(value):
+            value = _rebind(value, replace, memo, leaf)
+        elif leaf(value):
             value = replace(f"{fn.__qualname__}.{name}", value)
         else:
             continue

@@ -14,15 +14,17 @@ except ImportError as err:
     raise ImportError("cuflash.torch needs PyTorch: pip install torch") from err
 
 import contextlib
+import dataclasses
 import functools
+import weakref
 from typing import Optional
 
 import numpy as np
 from torch import Tensor
 
-from . import _api, _checks, _dispatch, _launch, _plans, reference
+from . import _api, _checks, _dispatch, _launch, _plans, _trace, reference
 
-__all__ = ["attention", "attention_kvcache", "merge_attention", "register_transformers"]
+__all__ = ["attention", "attention_kvcache", "block_mask", "merge_attention", "register_transformers"]
 
 
 def _host_array(t):
@@ -194,11 +196,21 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
              deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
     # deterministic is the backward's, kept here because the autograd formula sees only these inputs;
     # seed: a CPU int64 tensor (its value, mod 2**64, read here with no synchronisation), None without dropout
+    return _attention_forward(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                              window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, dropout_p, seed,
+                              groups, check)
+
+
+def _attention_forward(functions, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+                       window_right, scale, softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check,
+                       deterministic=None):
+    """The forward op's work, with the call's score and mask functions (`_Functions`, eager mode
+    only) or None."""
     packed = cu_seqlens_q is not None
     _refuse_capture(q.device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     ready = None
-    if q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+    if functions is None and q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
         ready = ("fwd", *map(_layout, (qk, kk, vk)), *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
         if plan is not None and _launchable(q.device):
@@ -209,7 +221,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu
         arrays = tuple(map(array, (qk, kk, vk)))
         out, lse = fns.attention(*arrays, return_lse=True, **_keywords(
             array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
-            softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check))
+            softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check),
+            **({} if functions is None else functions.keywords(array, q.device, groups)))
         out, lse = tensor(out).to(q.dtype), tensor(lse).to(torch.float32)
         if ready is not None:
             plan, used = _plans.forward(*arrays, causal, _window(window_left, window_right), scale, None,
@@ -303,6 +316,15 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
                       check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dbias (empty without bias_grad) and dsinks (empty without sinks): an op's outputs
     cannot be None."""
+    return _attention_backward(None, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad,
+                               dropout_p, seed, groups, check, deterministic)
+
+
+def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal, window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad,
+                        dropout_p, seed, groups, check, deterministic):
+    """The backward op's work, with the call's score and mask functions (`_Functions`) or None."""
     packed = cu_seqlens_q is not None
     _refuse_capture(q.device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
@@ -310,7 +332,7 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
         deterministic = torch.are_deterministic_algorithms_enabled()
     dout_k, out_k, lse_k = _kernel_rows(dout, packed, groups), _kernel_rows(out, packed, groups), _kernel_lse(lse, groups)
     ready = None
-    if q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+    if functions is None and q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
         ready = ("bwd", bool(deterministic), *map(_layout, (dout_k, qk, kk, vk, out_k, lse_k)),
                  *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
@@ -325,7 +347,8 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
             *arrays, deterministic=deterministic,
             bias_grad=bias_grad, **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                              window_left, window_right, scale, softcap, alibi_slopes, sinks, bias,
-                                             dropout_p, seed, groups, check))
+                                             dropout_p, seed, groups, check),
+            **({} if functions is None else functions.keywords(array, q.device, groups)))
         if ready is not None:
             plan, used = _plans.backward(*arrays, causal, _window(window_left, window_right), scale, None,
                                          bool(deterministic), _api._mods(softcap, None, None))
@@ -446,25 +469,116 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _Attention(torch.autograd.Function):
     """The op's autograd in eager mode, around the op's own functions: the dispatcher's Python
     round trip for a custom op with an autograd formula costs about 100 us a call, this about 4.
-    torch.compile and fake tensors take the op (_eager_or)."""
+    torch.compile and fake tensors take the op (`_eager`). The last input: the call's score and
+    mask functions (`_Functions`), which the op cannot take, or None, after the op's inputs (whose
+    places `needs_input_grad` keeps)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward(*inputs)
+    def forward(ctx, *inputs_and_functions):
+        *inputs, functions = inputs_and_functions
+        output = _attention_forward(functions, *inputs)
         _setup_context(ctx, inputs, output)
+        ctx.functions = functions
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, backward_kernels=_backward_kernels)
+        kernels = functools.partial(_attention_backward, ctx.functions)
+        return (*_backward(ctx, dout, dlse, backward_kernels=kernels), None)
+
+
+class _Functions:
+    """A call's score_mod, mask_mod and block_mask (eager mode), as cuflash's functions take them
+    on the backend's arrays: the tensors the functions capture rebound to those arrays (CuPy views
+    of CUDA tensors, NumPy for CPU ones), and with grouped query heads, the kernels' batch indices
+    (..., Hkv, G) turned back into the caller's query head (..., Hq). Each function's rebound and
+    grouped copies are kept (the last per function), so cuflash's trace of them is kept too."""
+
+    def __init__(self, score_mod, mask_mod, block_mask):
+        if block_mask is not None:
+            if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+                raise ValueError("mask_mod and block_mask.mask_mod differ: give the function the block mask was "
+                                 "built from, or leave mask_mod out")
+            mask_mod = block_mask.mask_mod
+        self.score_mod, self.mask_mod, self.block_mask = score_mod, mask_mod, block_mask
+
+    @staticmethod
+    def of(score_mod, mask_mod, block_mask):
+        return None if score_mod is None and mask_mod is None and block_mask is None else \
+            _Functions(score_mod, mask_mod, block_mask)
+
+    def keywords(self, array, device, groups) -> dict:
+        """cuflash's keywords of the functions for a call on ``device``."""
+        score_mod = _grouped(_on_backend(self.score_mod, array, device), groups, True)
+        mask_mod = _grouped(_on_backend(self.mask_mod, array, device), groups, False)
+        if self.block_mask is None:
+            return dict(score_mod=score_mod, mask_mod=mask_mod)
+        kinds = self.block_mask.kinds
+        if groups > 1 and kinds.ndim >= 3:   # (..., Hq) tiles as the kernels' (..., Hkv, G): a view
+            kinds = kinds.reshape(kinds.shape[:-3] + ((1, 1) if kinds.shape[-3] == 1 else (-1, groups))
+                                  + kinds.shape[-2:])
+        return dict(score_mod=score_mod, block_mask=dataclasses.replace(self.block_mask, kinds=kinds,
+                                                                        mask_mod=mask_mod))
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, Tensor)
+
+
+_REBOUND = weakref.WeakKeyDictionary()   # function -> (its captured tensors' identity, its rebound copy)
+
+
+def _on_backend(fn, array, device):
+    """``fn`` with the tensors it captures as ``array`` gives them for a call on ``device``; ``fn``
+    itself where it captures none. TypeError for a captured tensor on another device."""
+    if fn is None:
+        return None
+    tensors = _trace.captured_values(fn, _is_tensor)
+    if not tensors:
+        return fn
+    for t in tensors:
+        if t.device != device:
+            raise TypeError(f"{fn.__qualname__} reads a tensor on {t.device}, but the call runs on {device}: "
+                            "a function reads tensors on q's device")
+    # (a CPU tensor's version too: the reference may read a copy of it, bfloat16 as float32)
+    key = tuple((id(t), t.dtype, t.data_ptr(), t.shape, t.stride(), t._version if t.device.type == "cpu" else None)
+                for t in tensors)
+    kept = _REBOUND.get(fn)
+    if kept is None or kept[0] != key:
+        kept = _REBOUND[fn] = (key, _trace.rebind(fn, lambda t: array(t.detach()), _is_tensor))
+    return kept[1]
+
+
+_GROUPED = weakref.WeakKeyDictionary()   # function -> {groups: its copy over the kernels' indices}
+
+
+def _grouped(fn, groups, score):
+    """``fn`` called with the caller's query head from the kernels' (..., Hkv, G) batch indices."""
+    if fn is None or groups == 1:
+        return fn
+    per_function = _GROUPED.setdefault(fn, {})
+    if groups not in per_function:
+        if score:
+            def grouped(s, *idx):
+                return fn(s, *idx[:-4], idx[-4] * groups + idx[-3], idx[-2], idx[-1])
+        else:
+            def grouped(*idx):
+                return fn(*idx[:-4], idx[-4] * groups + idx[-3], idx[-2], idx[-1])
+        per_function[groups] = grouped
+    return per_function[groups]
+
+
+def _eager(tensor) -> bool:
+    """Whether a call runs in eager mode on real tensors (``tensor`` one of the call's), not under
+    torch.compile nor on fake or meta tensors."""
+    return type(tensor) is Tensor and tensor.device.type in ("cuda", "cpu") and not torch.compiler.is_compiling()
 
 
 def _eager_or(op, function, tensor):
     """`function`, the work of `op` (a custom op) without the dispatcher, in eager mode on real
     tensors (`tensor` one of the call's); else `op`: torch.compile and fake or meta tensors see it
     through its fake kernel."""
-    real = type(tensor) is Tensor and tensor.device.type in ("cuda", "cpu")
-    return function if real and not torch.compiler.is_compiling() else op
+    return function if _eager(tensor) else op
 
 
 def _sides(window):
@@ -496,7 +610,8 @@ def _groups(q, k, v, packed, enable_gqa):
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=False, enable_gqa=False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
-              softcap=None, alibi_slopes=None, sinks=None, bias=None, dropout_p=0.0, seed=None, deterministic=None):
+              softcap=None, alibi_slopes=None, sinks=None, bias=None, dropout_p=0.0, seed=None, deterministic=None,
+              score_mod=None, mask_mod=None, block_mask=None):
     """``cuflash.attention`` on torch tensors in SDPA's layout, differentiable.
 
     q (B, Hq, N, D), k, v (B, Hkv, Nk, D / Dv); packed sequences (both ``cu_seqlens_q`` and
@@ -512,6 +627,12 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     when the backward runs. Under autocast q, k, v and a floating bias are cast to its dtype
     first, as SDPA's are.
 
+    ``score_mod`` and ``mask_mod`` (eager mode only) are cuflash's score and mask functions, with
+    one index per batch dim of the caller's layout (``(score, b, h, q_idx, kv_idx)``; packed:
+    ``(score, h, q_idx, kv_idx)``, positions in the packed tensors), h the query head also with
+    ``enable_gqa``; the tensors they capture are read where they lie, and get no gradient.
+    ``block_mask`` from `block_mask` (over the caller's heads) carries its ``mask_mod``.
+
     Returns out (B, Hq, N, Dv) or packed (total_q, Hq, Dv), and with ``return_lse`` also lse,
     float32, (B, Hq, N) or packed (Hq, total_q), not differentiable. Gradients reach q, k, v,
     sinks, and the bias where it requires grad.
@@ -524,9 +645,17 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     dropout_p, seed = _seed(dropout_p, seed)
     q, k, v, bias = _autocast(q, k, v, bias)
     left, right = _sides(window)
-    forward = _eager_or(_attention_fwd, _Attention.apply, q)
-    out, lse = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right, scale,
-                       softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
+    functions = _Functions.of(score_mod, mask_mod, block_mask)
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right, scale, softcap,
+              alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
+    if _eager(q):
+        out, lse = _Attention.apply(*inputs, functions)
+    elif functions is None:
+        out, lse = _attention_fwd(*inputs)
+    else:
+        raise NotImplementedError("cuflash.torch.attention takes score_mod, mask_mod and block_mask in eager mode "
+                                  "only: its torch.library op (what torch.compile and fake tensors see) cannot take "
+                                  "Python functions")
     return (out, lse) if return_lse else out
 
 
@@ -589,6 +718,27 @@ def _call(fn_name, device, *args, **kwargs):
     with stream:
         result = getattr(fns, fn_name)(*map(convert, args), **{key: convert(x) for key, x in kwargs.items()})
         return tuple(map(tensor, result))
+
+
+def block_mask(mask_mod, batch_shape, nq, nk, block=(128, 128), device="cuda"):
+    """``cuflash.block_mask`` for `attention` on tensors (FlexAttention's ``create_block_mask``):
+    what ``mask_mod`` (as `attention` takes it, the tensors it captures read where they lie)
+    allows in each tile, over the caller's batch dims ``batch_shape`` (usually ``(B, Hq)``, or
+    ``(Hq,)`` for packed sequences), computed on ``device``: on a GPU by cuflash's kernel on
+    torch's current stream, on the CPU by ``cuflash.reference.block_mask``. Its ``kinds`` are a
+    CuPy or NumPy array; pass it to `attention` as ``block_mask``, on the same device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _, array, _, stream = _backend(device)
+    if device.type == "cpu":
+        built = reference.block_mask(_on_backend(mask_mod, array, device), batch_shape, nq, nk, block)
+    else:
+        from . import _block_mask
+
+        with _checks.require_cupy().cuda.Device(device.index), stream:
+            built = _block_mask.block_mask(_on_backend(mask_mod, array, device), batch_shape, nq, nk, block)
+    return dataclasses.replace(built, mask_mod=mask_mod)
 
 
 def _merge_parts(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:

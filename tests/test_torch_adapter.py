@@ -612,6 +612,87 @@ def test_cpu_kvcache_and_merge_compile_without_graph_breaks():
         assert torch.equal(a, b)
 
 
+# Score and mask functions (eager mode): captured tensors read where they lie, the caller's heads
+
+def grads_of(fn, q, k, v, dout):
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2)])
+def test_cpu_functions_capturing_tensors_give_the_keywords_results(hq, hkv):
+    """ALiBi as a score function reading a tensor of per-query-head slopes, causal as a mask
+    function: out and the gradients of alibi_slopes= and causal=True, with enable_gqa too (the
+    functions see the caller's query head)."""
+    q, k, v = qkv(2, hq, hkv, 9, 11, 8, grad=True)
+    dout = make((2, hq, 9, 8), seed=4)
+    slopes = torch.linspace(0.1, 0.8, hq, dtype=torch.float32)
+    gqa = hq != hkv
+    got = grads_of(lambda q, k, v: ct.attention(q, k, v, enable_gqa=gqa,
+                                                score_mod=lambda s, b, h, i, j: s - slopes[h] * abs(i + 2 - j),
+                                                mask_mod=lambda b, h, i, j: j <= i + 2), q, k, v, dout)
+    want = grads_of(lambda q, k, v: ct.attention(q, k, v, enable_gqa=gqa, alibi_slopes=slopes, causal=True),
+                    q, k, v, dout)
+    assert_all_close(got, want, CPU_TOL)
+
+
+def test_cpu_document_mask_over_packed_tensors_equals_cu_seqlens():
+    """A mask function reading a tensor of document ids over packed (total, H, D) tensors (its
+    indices h, q_idx, kv_idx: positions in the packed tensors), with GQA: cu_seqlens' results."""
+    lengths = [5, 1, 7]
+    total = sum(lengths)
+    docs = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor(lengths))
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    q, k, v = (make((total, h, 8), seed=s, grad=True) for h, s in ((4, 1), (2, 2), (2, 3)))
+    dout = make((total, 4, 8), seed=4)
+    got = grads_of(lambda q, k, v: ct.attention(q, k, v, enable_gqa=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                mask_mod=lambda h, i, j: (docs[i] == docs[j]) & (j <= i)),
+                   *(x.detach().requires_grad_() for x in (q, k, v)), dout)
+    want = grads_of(lambda q, k, v: ct.attention(q, k, v, enable_gqa=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                 causal=True), q, k, v, dout)
+    assert_all_close(got, want, CPU_TOL)
+
+
+def test_cpu_block_mask_over_the_callers_heads():
+    """cuflash.torch.block_mask over (B, Hq) with a function reading a tensor, passed with
+    enable_gqa: the results of its mask_mod alone; another mask_mod beside it is refused."""
+    first = torch.tensor([[0, 3, 6, 9], [2, 2, 2, 2]], dtype=torch.int32)   # (B, Hq): each head's first key
+    fn = lambda b, h, i, j: (j >= first[b, h]) & (j <= i + 4)   # noqa: E731
+    bm = ct.block_mask(fn, (2, 4), 10, 14, block=(4, 8), device="cpu")
+    assert bm.mask_mod is fn and bm.kinds.shape == (2, 4, 3, 2)
+    q, k, v = qkv(2, 4, 2, 10, 14, 8, grad=True)
+    dout = make((2, 4, 10, 8), seed=4)
+    got = grads_of(lambda q, k, v: ct.attention(q, k, v, enable_gqa=True, block_mask=bm), q, k, v, dout)
+    want = grads_of(lambda q, k, v: ct.attention(q, k, v, enable_gqa=True, mask_mod=fn), q, k, v, dout)
+    assert_all_close(got, want, 0.0)
+    with pytest.raises(ValueError, match="mask_mod"):
+        ct.attention(q, k, v, enable_gqa=True, block_mask=bm, mask_mod=lambda b, h, i, j: j <= i)
+
+
+def test_cpu_functions_are_rebound_once_and_refused_where_the_op_runs():
+    """A function's tensors are rebound once while they stay the same tensors (cuflash keeps its
+    trace); under fake tensors (what torch.compile sees) functions are refused."""
+    table = torch.randn(4, 40, dtype=torch.float32)
+    fn = lambda s, b, h, i, j: s + table[h, i - j + 20]   # noqa: E731
+    q, k, v = qkv(1, 4, 4, 6, 6, 8)
+    first = ct.attention(q, k, v, score_mod=fn)
+    rebound = ct._REBOUND[fn][1]
+    again = ct.attention(q, k, v, score_mod=fn)
+    assert ct._REBOUND[fn][1] is rebound and torch.equal(first, again)
+    table[:, 20] += 5.0   # new values in place (the diagonal's scores): read anew
+    shifted = ct.attention(q, k, v, score_mod=fn)
+    want = ct.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, i - j + 20])
+    torch.testing.assert_close(shifted, want, rtol=0, atol=0)
+    assert not torch.allclose(shifted, again)
+    elsewhere = torch.zeros(4, device="meta")
+    with pytest.raises(TypeError, match="reads a tensor on meta"):
+        ct.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + elsewhere[h])
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        with pytest.raises(NotImplementedError, match="eager mode only"):
+            ct.attention(fq, fk, fv, score_mod=fn)
+
+
 # On a GPU: the kernels through DLPack on torch's stream.
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
@@ -631,6 +712,38 @@ def test_gpu_forward_and_gradients_as_accurate_as_sdpa(dtype, hq, hkv, causal):
     ulp = torch.finfo(dtype).eps
     for name, c, o, t, r in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3), ours, theirs, ref):
         assert o.dtype == dtype and o.shape == r.shape, name
+        err, their_err = ((x.double() - r).abs().max().item() for x in (o, t))
+        assert err <= c * their_err + 4 * ulp * max(1.0, r.abs().max().item()), name
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_functions_and_block_masks_capturing_tensors(dtype):
+    """A score function and a block mask whose functions read CUDA tensors, with enable_gqa: out
+    and the gradients against float64 (the CPU path, the same functions over CPU tensors) within
+    the accuracy criterion, SDPA with the same scores as a float mask for the baseline."""
+    def functions(slopes, first):
+        return (lambda s, b, h, i, j: s - slopes[h] * abs(i - j),
+                lambda b, h, i, j: (j <= i) & ((j >= first[b, h]) | (j == i)))
+
+    gen = torch.Generator().manual_seed(9)
+    slopes = torch.linspace(0.05, 0.4, 8, dtype=torch.float32)
+    first = torch.randint(0, 60, (2, 8), generator=gen, dtype=torch.int32)
+    q, k, v = qkv(2, 8, 2, 200, 200, 64, device="cuda", dtype=dtype, grad=True)
+    dout = make((2, 8, 200, 64), device="cuda", dtype=dtype, seed=4)
+    score_mod, mask_mod = functions(slopes.cuda(), first.cuda())
+    bm = ct.block_mask(mask_mod, (2, 8), 200, 200, block=(64, 32))
+    ours = ours_grads(q, k, v, dout, enable_gqa=True, score_mod=score_mod, block_mask=bm)
+    host_score, host_mask = functions(slopes, first)
+    ref = grads_of(lambda q, k, v: ct.attention(q, k, v, enable_gqa=True, score_mod=host_score, mask_mod=host_mask),
+                   *(x.detach().cpu().double().requires_grad_() for x in (q, k, v)), dout.cpu().double())
+    i, j = torch.arange(200)[:, None], torch.arange(200)[None, :]
+    allowed = (j <= i) & ((j >= first[:, :, None, None].long()) | (j == i))
+    bias = torch.where(allowed, -slopes[:, None, None] * (i - j).abs(), float("-inf")).to(dtype).cuda()
+    theirs = sdpa_grads(q, k, v, dout, attn_mask=bias, enable_gqa=True)
+    ulp = torch.finfo(dtype).eps
+    for name, c, o, t, r in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3), ours, theirs, ref):
+        r = r.cuda()
         err, their_err = ((x.double() - r).abs().max().item() for x in (o, t))
         assert err <= c * their_err + 4 * ulp * max(1.0, r.abs().max().item()), name
 
