@@ -25,15 +25,25 @@ SLOW = dict(max_examples=8, deadline=None,
 @settings(**SLOW)
 @given(score_tree=floats(2, smooth=True), mask_tree=bools(2, score=False), which=st.sampled_from(["score", "mask", "both"]),
        dtype=st.sampled_from(["float16", "bfloat16"]), d=st.sampled_from([32, 64, 128]), b=st.integers(1, 2),
-       h=st.integers(1, 3), nq=st.integers(1, 150), nk=st.integers(1, 150), seed=st.integers(0, 2**31 - 1))
-def test_generated_functions_match_the_reference(score_tree, mask_tree, which, dtype, d, b, h, nq, nk, seed):
+       h=st.integers(1, 3), nq=st.integers(1, 150), nk=st.integers(1, 150), sequences=st.integers(0, 4),
+       seed=st.integers(0, 2**31 - 1))
+def test_generated_functions_match_the_reference(score_tree, mask_tree, which, dtype, d, b, h, nq, nk, sequences,
+                                                 seed):
     """out and lse, then dq, dk, dv, within the plain call's error as the gallery's tests bound
     them. Score functions are continuous (no comparison of the score: float32 and float64 scores
     may fall on either side of a threshold) and keep the scores they make under 100 in
-    magnitude (float32 keeps such logits to 1e-5); mask functions may leave rows with no key."""
+    magnitude (float32 keeps such logits to 1e-5); mask functions may leave rows with no key.
+    With ``sequences`` > 0 the rows and keys are that many packed sequences of random lengths
+    (the functions see positions in the packed arrays)."""
     import cupy
 
     rng = np.random.default_rng(seed)
+    host_seqs, gpu_seqs = {}, {}
+    if sequences:
+        cuts = {name: np.concatenate([[0], np.sort(rng.integers(0, n + 1, sequences - 1)), [n]]).astype(np.int32)
+                for name, n in (("cu_seqlens_q", nq), ("cu_seqlens_k", nk))}
+        host_seqs = cuts
+        gpu_seqs = {name: cupy.asarray(x) for name, x in cuts.items()}
     q = random_array(rng, (b, h, nq, d), dtype, scale=1.5)
     k, v = (random_array(rng, (b, h, nk, d), dtype, scale=1.5) for _ in range(2))
     dout = random_array(rng, (b, h, nq, d), dtype)
@@ -53,20 +63,21 @@ def test_generated_functions_match_the_reference(score_tree, mask_tree, which, d
         on_host["mask_mod"] = make_function(mask_tree, TABLE, IDS, FLAGS, role="mask_mod")
         on_gpu["mask_mod"] = make_function(mask_tree, *tables_gpu, role="mask_mod")
 
-    want, want_lse = reference.attention(q64, k64, v64, return_lse=True, **on_host)
+    want, want_lse = reference.attention(q64, k64, v64, return_lse=True, **host_seqs, **on_host)
     with np.errstate(all="ignore"):
-        want_grads = reference.attention_backward(dout64, q64, k64, v64, want, want_lse, **on_host)
+        want_grads = reference.attention_backward(dout64, q64, k64, v64, want, want_lse, **host_seqs, **on_host)
     assume(all(np.isfinite(g).all() for g in want_grads))   # (0 * inf where sqrt or log meet 0)
 
-    plain, plain_lse = cuflash.attention(q, k, v, return_lse=True)
-    plain_want, plain_want_lse = reference.attention(q64, k64, v64, return_lse=True)
+    plain, plain_lse = cuflash.attention(q, k, v, return_lse=True, **gpu_seqs)
+    plain_want, plain_want_lse = reference.attention(q64, k64, v64, return_lse=True, **host_seqs)
     plain_err = np.abs(cupy.asnumpy(plain).astype(np.float64) - plain_want).max()
-    plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain, plain_lse),
-                              reference.attention_backward(dout64, q64, k64, v64, plain_want, plain_want_lse))
+    plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain, plain_lse, **gpu_seqs),
+                              reference.attention_backward(dout64, q64, k64, v64, plain_want, plain_want_lse,
+                                                           **host_seqs))
 
     with poisoned_allocations():
-        out, lse = cuflash.attention(q, k, v, return_lse=True, **on_gpu)
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **on_gpu)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **gpu_seqs, **on_gpu)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **gpu_seqs, **on_gpu)
     err = np.abs(cupy.asnumpy(out).astype(np.float64) - want).max()
     atol = 4 * eps(dtype) * max(1.0, np.abs(want).max())
     assert err <= 2 * plain_err + atol, f"out: error {err:.3g} > 2 x plain {plain_err:.3g} + {atol:.3g}"
