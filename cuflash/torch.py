@@ -549,23 +549,28 @@ def _on_backend(fn, array, device):
     return kept[1]
 
 
-_GROUPED = weakref.WeakKeyDictionary()   # function -> {groups: its copy over the kernels' indices}
+# (id of a function, groups) -> (the function, its copy over the kernels' indices): a plain dict,
+# bounded, since the copy holds the function (a weak key whose value holds it would never go)
+_GROUPED: dict = {}
+MAX_GROUPED = 256
 
 
 def _grouped(fn, groups, score):
     """``fn`` called with the caller's query head from the kernels' (..., Hkv, G) batch indices."""
     if fn is None or groups == 1:
         return fn
-    per_function = _GROUPED.setdefault(fn, {})
-    if groups not in per_function:
+    kept = _GROUPED.get((id(fn), groups))
+    if kept is None or kept[0] is not fn:
         if score:
             def grouped(s, *idx):
                 return fn(s, *idx[:-4], idx[-4] * groups + idx[-3], idx[-2], idx[-1])
         else:
             def grouped(*idx):
                 return fn(*idx[:-4], idx[-4] * groups + idx[-3], idx[-2], idx[-1])
-        per_function[groups] = grouped
-    return per_function[groups]
+        if len(_GROUPED) >= MAX_GROUPED:
+            _GROUPED.clear()
+        kept = _GROUPED[id(fn), groups] = (fn, grouped)
+    return kept[1]
 
 
 def _eager(tensor) -> bool:
