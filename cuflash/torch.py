@@ -495,12 +495,9 @@ class _Functions:
     grouped copies are kept (the last per function), so cuflash's trace of them is kept too."""
 
     def __init__(self, score_mod, mask_mod, block_mask):
-        if block_mask is not None:
-            if mask_mod is not None and mask_mod is not block_mask.mask_mod:
-                raise ValueError("mask_mod and block_mask.mask_mod differ: give the function the block mask was "
-                                 "built from, or leave mask_mod out")
-            mask_mod = block_mask.mask_mod
-        self.score_mod, self.mask_mod, self.block_mask = score_mod, mask_mod, block_mask
+        # (a block mask carries its function: cuflash's check of the pair, before any rebinding)
+        self.score_mod, self.block_mask = score_mod, block_mask
+        self.mask_mod = _checks.block_mask_function(mask_mod, block_mask)
 
     @staticmethod
     def of(score_mod, mask_mod, block_mask):
