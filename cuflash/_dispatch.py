@@ -107,14 +107,14 @@ def score_path(x) -> str:
 
 def _scores_of(x) -> tuple[str, bool]:
     """(the score path of the kernels' name expressions, whether they take the call's own
-    functions): USER runs FULL's portable kernels with UserScores."""
+    functions): USER runs FULL's kernels with UserScores."""
     scores = score_path(x)
     return (FULL, True) if scores == USER else (scores, False)
 
 
 def _function(name: str, smem: int, x, user: bool):
-    """The compiled kernel of FULL name expression ``name``; with ``user``, its UserScores
-    twin compiled after the call's functions."""
+    """The compiled kernel of name expression ``name``; with ``user`` (a FULL name), its
+    UserScores twin compiled after the call's functions."""
     return _compile.get_function(user_name(name), smem, x.user.source) if user else _compile.get_function(name, smem)
 
 
@@ -134,8 +134,7 @@ def forward_launches(x) -> Launches:
     keys = x.nk / x.packed.num_seqs if packed and x.packed.num_seqs else x.nk
     mask = "window" if x.left is not None else "causal" if x.right is not None else "none"   # (_tiles.MASKS)
     scores, user = _scores_of(x)
-    hopper = (hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask, scores)
-              if _compile.current_arch() == "sm_90a" and not user else None)
+    hopper = hopper_fwd_tiles(x.dtype_name, head_dim, keys, mask, scores) if _compile.current_arch() == "sm_90a" else None
     maps = None
     if isinstance(hopper, Sm90WsFwdTiles):   # through the copy engine where maps describe the inputs
         maps = _tensor_map.attention_maps(x, hopper.block_m, hopper.block_n)
@@ -145,7 +144,7 @@ def forward_launches(x) -> Launches:
             hopper = dataclasses.replace(hopper, tma=True)
     if hopper is not None:
         smem, block_m, threads, cols = hopper.smem_bytes(itemsize), hopper.block_m, hopper.threads, 1
-        fn = _compile.get_function(hopper_fwd_name(x.dtype_name, hopper, packed, scores), smem)
+        fn = _function(hopper_fwd_name(x.dtype_name, hopper, packed, scores), smem, x, user)
     else:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed, scores)
         smem = tiles.smem_bytes(itemsize, staged_bias=scores == FULL and not packed)

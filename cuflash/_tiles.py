@@ -41,7 +41,8 @@ class FwdTiles:
 
 # The score paths (kernels/attention/score_path.cuh), every attention kernel's last template
 # argument: plain scores, scores through softcap and ALiBi (sinks on every path), or through a
-# bias and dropout besides (FULL: the portable prefill kernels only, on every GPU).
+# bias and dropout besides (FULL: the portable prefill kernels, and on Hopper the forward with a
+# loading warpgroup).
 PLAIN, MODIFIED, FULL = "plain", "modified", "full"
 SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores", FULL: "cuflash::FullScores"}
 # A call's own score and mask functions: FULL's kernels and tiles with UserScores, compiled after
@@ -212,9 +213,13 @@ def sm90_ws_fwd_tiles(dtype_name: str, head_dim: int, keys: int | None = None,
     tiles through maps; ``without_maps`` gives the others. The modified scores' kernels
     (``scores``) hold a few more registers: 64-key blocks at head dim 256, two computing
     warpgroups at 64 (80 keys and three warpgroups spilled 4-16 bytes) and 128-key blocks at
-    128 (176 keys spilled 24-32 bytes)."""
-    if dtype_name == "float32" or scores == FULL:
+    128 (176 keys spilled 24-32 bytes). The FULL ones (a bias, dropout, a call's own functions)
+    run 64-key blocks at head dims 64 and 128 (128 keys spilled 4-248 bytes), and none at 256
+    (32-key blocks spilled 4-148 bytes beside the functions)."""
+    if dtype_name == "float32":
         return None
+    if scores == FULL:
+        return Sm90WsFwdTiles(head_dim, 64, stages=2) if head_dim in (64, 128) else None
     modified = scores == MODIFIED
     if head_dim == 256:
         return Sm90WsFwdTiles(256, 64 if modified else 80, stages=2, q_buffers=1)
@@ -463,8 +468,8 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
     """Every kernel name expression the library can launch on a target such as ``"sm_90a"``."""
     names = []
     for dt, hd, packed, scores in itertools.product(ELEMENT_TYPES, HEAD_DIM_BUCKETS, (False, True), SCORE_PATHS):
-        sm90 = sm90_fwd_tiles(dt, hd, scores=scores) if arch == "sm_90a" else None
-        if sm90 is not None:   # then the portable kernels never run there on this path
+        portable_fwd = fwd_name(dt, fwd_tiles(dt, hd, packed, scores), packed, scores)
+        if arch == "sm_90a":
             for keys, mask in itertools.product(HOPPER_FWD_KEYS, MASKS):
                 tiles = hopper_fwd_tiles(dt, hd, keys, mask, scores)
                 variants = [tiles]
@@ -472,10 +477,13 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                     variants = [dataclasses.replace(tiles, tma=True)] if not packed else []
                     # (where no maps fit: by cp.async, or attn_fwd_sm90)
                     variants.append(tiles.without_maps() or sm90_fwd_tiles(dt, hd, keys, scores))
-                for t in variants:
-                    name = hopper_fwd_name(dt, t, packed, scores)
+                for t in variants:   # (None: the portable kernel)
+                    name = portable_fwd if t is None else hopper_fwd_name(dt, t, packed, scores)
                     if name not in names:
                         names.append(name)
+        else:
+            names.append(portable_fwd)
+        if arch == "sm_90a" and sm90_bwd_tiles(dt, hd, scores=scores) is not None:
             # (dq added up in any order: dense calls only, _dispatch._dq_in_any_order)
             for queries, deterministic in ((1, True), (SM90_WS_BWD_MIN_QUERIES_D64, True),
                                            (SM90_WS_BWD_MIN_QUERIES_D64, packed)):
@@ -485,7 +493,6 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                     bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt, hd))
                 names.extend(n for n in bwd if n not in names)
         else:
-            names.append(fwd_name(dt, fwd_tiles(dt, hd, packed, scores), packed, scores))
             names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd, scores, packed), packed, scores) if n not in names)
     return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
             + decode_specializations(arch))

@@ -8,6 +8,7 @@ float32 evaluation; the symbolic derivative must equal finite differences.
 """
 
 import ctypes
+import dataclasses
 import math
 import os
 import re
@@ -648,8 +649,9 @@ finally:
 def test_attention_kernels_compile_with_score_and_mask_functions(arch):
     """The forward and backward kernels' UserScores path (kernels/user/user_scores.cuh) after a
     score function that reads a table and a mask function that reads document ids, dense and
-    packed, with no warning, the forward with no spill, the backward with at most 16 bytes
-    (head dim 64)."""
+    packed, with no warning, the forwards with no spill (the portable one, and on sm_90a the
+    one with a loading warpgroup at head dims 64 and 128, through tensor maps and not), the
+    backward with at most 16 bytes (head dim 64)."""
     import json
 
     from cuflash import _tiles
@@ -666,6 +668,10 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
             fwd = _tiles.fwd_name(dtype, _tiles.fwd_tiles(dtype, 64, packed, _tiles.FULL), packed, _tiles.FULL)
             bwd = _tiles.bwd_names(dtype, _tiles.bwd_tiles(dtype, 64, _tiles.FULL, packed), packed, _tiles.FULL)[1:]
             names += [_tiles.user_name(name) for name in (fwd, *bwd)]
+            for head_dim in (64, 128) if arch == "sm_90a" else ():
+                ws = _tiles.sm90_ws_fwd_tiles(dtype, head_dim, scores=_tiles.FULL)
+                loaders = [ws.without_maps()] + ([] if packed else [dataclasses.replace(ws, tma=True)])
+                names += [_tiles.user_name(_tiles.sm90_ws_fwd_name(dtype, t, packed, _tiles.FULL)) for t in loaders]
     job = {"source": _compile.user_kernel_source(_codegen.user_mods_source(score, mask)), "names": names,
            "options": list(_compile.nvrtc_options(arch))}
     result = subprocess.run([python, "-c", NVRTC_NAMED_SCRIPT], input=json.dumps(job), capture_output=True, text=True)
@@ -674,7 +680,7 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
     assert len(re.findall(r"Compiling entry function '_ZN7cuflash\d+attn_", log)) == len(names), log
     spills = [(kernel, int(n)) for kernel, n in re.findall(
         r"Compiling entry function '_ZN7cuflash\d+(attn_\w+?)I.*?(\d+) bytes spill stores", log, re.S)]
-    assert len(spills) == len(names) and all(n == 0 for kernel, n in spills if kernel == "attn_fwd"), log
+    assert len(spills) == len(names) and all(n == 0 for kernel, n in spills if kernel.startswith("attn_fwd")), log
     # (the dense dq pass spills 12 bytes for sm_80: docs/design.md, "Score and mask functions")
     assert max(n for _, n in spills) <= 16, log
 

@@ -237,9 +237,15 @@ struct ScorePath {
     // What the call's block mask says of rows [m0, m_end) and keys [n0, n_end) of the sequence
     // (clipped to it; m0 and n0 inside)
     __device__ __forceinline__ TileKind tile(int m0, int m_end, int n0, int n_end) const {
+        return tile_of(p, Work{entry, 0, q0, k0, nq, nk}, m0, m_end, n0, n_end);
+    }
+    // The same for the sequence of work w and its query entry, with no path at hand (the
+    // Hopper forward's loader, which skips the key blocks the block mask leaves empty)
+    __device__ __forceinline__ static TileKind tile_of(const Params& p, const Work& w, int m0, int m_end, int n0,
+                                                       int n_end) {
         if constexpr (Scores::USER) {
-            return TileKind(
-                Scores::tile(p.user_args, entry, q0 + m0, q0 + min(m_end, nq), k0 + n0, k0 + min(n_end, nk)));
+            return TileKind(Scores::tile(p.user_args, w.entry, w.q0 + m0, w.q0 + min(m_end, w.nq), w.k0 + n0,
+                                         w.k0 + min(n_end, w.nk)));
         } else {
             return TileKind::PARTIAL;
         }

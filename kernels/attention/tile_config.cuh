@@ -109,11 +109,14 @@ struct LoadingWarpgroupBlock {
 // tile. Q has Q_BUFFERS buffers (two: the next tile's loads while the current one
 // computes; one where two do not fit, head dim 256), K and V a ring of STAGES. Loading
 // through the copy engine (TMA_LOADS), the one loading thread needs 24 registers; by
-// cp.async, with its address arithmetic, 56. (Head dim 256 keeps 56 either way: its
-// computing warpgroups ran 4 % slower with the 16 more registers; docs/design.md,
-// "Tiles and dispatch".)
-template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_, bool TMA_LOADS, int CONSUMERS>
-struct Sm90WsFwdConfig : LoadingWarpgroupBlock<TMA_LOADS && HEAD_DIM_ <= 128 ? 24 : 56, CONSUMERS> {
+// cp.async, with its address arithmetic, 56; looking up a call's block mask besides
+// (BLOCK_LOOKUPS: the user path's), 80 (with 56 it spilled 8-48 bytes). (Head dim 256 keeps 56
+// either way: its computing warpgroups ran 4 % slower with the 16 more registers;
+// docs/design.md, "Tiles and dispatch".)
+template <class T, int HEAD_DIM_, int BLOCK_N_, int STAGES_, int Q_BUFFERS_, bool TMA_LOADS, int CONSUMERS,
+          bool BLOCK_LOOKUPS = false>
+struct Sm90WsFwdConfig
+    : LoadingWarpgroupBlock<BLOCK_LOOKUPS ? 80 : TMA_LOADS && HEAD_DIM_ <= 128 ? 24 : 56, CONSUMERS> {
     using Storage = typename T::storage;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_N = BLOCK_N_;

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
     static_assert(!(TMA && PACKED), "packed sequences load by cp.async: a box would run into the next sequence");
     const AttnParams& p = params.attn;
-    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS, TMA, CONSUMERS>;
+    using Cfg = Sm90WsFwdConfig<T, HEAD_DIM, BLOCK_N, STAGES, Q_BUFFERS, TMA, CONSUMERS, Scores::USER>;
     using QTile = typename Cfg::QTile;
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
@@ -187,12 +187,17 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                     const QSlot qs(q_uses++);
                     mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
                     copy(t, Source::Q, t.m0, s_q + qs.stage * QTile::BYTES, bar.q_full(qs.stage));
-                    for (int nb = t.nb_begin; nb < t.nb_end; ++nb, ++kv_uses) {
+                    for (int nb = t.nb_begin; nb < t.nb_end; ++nb) {
+                        // (the key blocks the call's block mask leaves empty: neither loaded nor computed)
+                        if (ScorePath<T, Scores>::tile_of(p, w, t.m0, t.m_end, nb * BLOCK_N, (nb + 1) * BLOCK_N) ==
+                            TileKind::EMPTY)
+                            continue;
                         const Slot slot(kv_uses);
                         mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
                         copy(t, Source::K, nb * BLOCK_N, s_k + slot.stage * KTile::BYTES, bar.k_full(slot.stage));
                         mbarrier_wait(bar.v_empty(slot.stage), slot.parity ^ 1u);
                         copy(t, Source::V, nb * BLOCK_N, s_v + slot.stage * VTile::BYTES, bar.v_full(slot.stage));
+                        ++kv_uses;
                     }
                 }
                 if (draws) index = queue.draw();
@@ -234,7 +239,7 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
         Work w;
         if (index >= num_tiles || !p.template work_at<PACKED, true, true>(index, num_m_blocks, true, w)) break;
         const Tile t(p, w);
-        const ScorePath<T, Scores> path(p, t.band, w.entry);
+        const ScorePath<T, Scores> path(p, t.band, w.entry, w);
         fill_zero(acc);
         OnlineSoftmax<T, 1, Cfg::SOFTMAX_CHAINS> softmax(p.scale_log2_lo);
         const int steps = t.nb_end - t.nb_begin;
@@ -244,7 +249,24 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
             copies_visible();
             ++q_uses;
             const u32 s_q_rows = s_q + qs.stage * QTile::BYTES + group_row0 * 128;
-            for (int i = 0; i < steps; ++i) {
+            // Step i computes key block nb, a use of the ring. On the user path the key blocks the
+            // call's block mask leaves empty are skipped (as the loader skips them), so the
+            // steps may end early: `computed` of them.
+            BlockWalk<Scores::USER> walk;
+            int computed = steps, nb = t.nb_begin;
+            for (int i = 0; i < steps; ++i, ++nb) {
+                TileKind kind = TileKind::PARTIAL;
+                if constexpr (Scores::USER) {
+                    auto kind_of = [&](int b) {
+                        return b < t.nb_end ? path.tile(t.m0, t.m_end, b * BLOCK_N, (b + 1) * BLOCK_N) : TileKind::EMPTY;
+                    };
+                    kind = walk.at(nb, kind_of);
+                    while (kind == TileKind::EMPTY && ++nb < t.nb_end) kind = walk.at(nb, kind_of);
+                    if (kind == TileKind::EMPTY) {
+                        computed = i;
+                        break;
+                    }
+                }
                 const Slot slot(kv_uses + u32(i)), prev(kv_uses + u32(i) - 1u);
                 mbarrier_wait(bar.k_full(slot.stage), slot.parity);
                 if (i > 0) mbarrier_wait(bar.v_full(prev.stage), prev.parity);
@@ -263,15 +285,16 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 mbarrier_arrive(bar.k_empty(slot.stage));
 
                 float alpha[1][2];
-                const int n0 = (t.nb_begin + i) * BLOCK_N;
-                path.modify(s, t.m0 + warp_row0, n0);
+                const int n0 = (Scores::USER ? nb : t.nb_begin + i) * BLOCK_N;
+                path.modify(s, t.m0 + warp_row0, n0, kind);
                 const bool cut = t.band.cuts(t.m0, t.m_end, n0, n0 + BLOCK_N);
                 if (cut) apply_band_rows(s, t.band, t.m_end, t.m0 + warp_row0, n0);
-                if (cut && !vanish) {
+                if ((cut || path.masks_anywhere()) && !vanish) {
                     softmax.template probabilities<true, true>(s, scale_log2, alpha);
                 } else {
                     softmax.template probabilities<false, true>(s, scale_log2, alpha);
                 }
+                path.drop(s, t.m0 + warp_row0, n0);
                 wgmma_wait<0>();   // (unconditional: ptxas pairs waits with issues only so)
                 pin_registers(acc);
                 if (i > 0) mbarrier_arrive(bar.v_empty(prev.stage));
@@ -280,14 +303,16 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                 to_a_fragments<T>(pa, s);
             }
             mbarrier_arrive(bar.q_empty(qs.stage));   // every score product of the tile is done
-            const Slot last(kv_uses + u32(steps) - 1u);
-            mbarrier_wait(bar.v_full(last.stage), last.parity);
-            copies_visible();
-            issue_pv(last);
-            wgmma_wait<0>();
-            pin_registers(acc);
-            mbarrier_arrive(bar.v_empty(last.stage));
-            kv_uses += u32(steps);
+            if (computed > 0) {   // (the user path: unless the block mask left every key block empty)
+                const Slot last(kv_uses + u32(computed) - 1u);
+                mbarrier_wait(bar.v_full(last.stage), last.parity);
+                copies_visible();
+                issue_pv(last);
+                wgmma_wait<0>();
+                pin_registers(acc);
+                mbarrier_arrive(bar.v_empty(last.stage));
+            }
+            kv_uses += u32(computed);
         }
         float lse[1][2];
         path.template finish<true>(softmax, acc, lse, scale_log2, w.entry);
