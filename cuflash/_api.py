@@ -176,7 +176,8 @@ def _user_functions(score_mod, mask_mod, block_mask, q, k, v):
     """The call's score and mask functions traced (`_user.trace`; the block mask's function
     where given), or None without either."""
     mask_mod = _checks.block_mask_function(mask_mod, block_mask)
-    return _user.trace(score_mod, mask_mod, max(getattr(x, "ndim", 2) for x in (q, k, v)) - 2)
+    batch_dims = max(getattr(q, "ndim", 2), getattr(k, "ndim", 2), getattr(v, "ndim", 2)) - 2
+    return _user.trace(score_mod, mask_mod, batch_dims)
 
 
 def _per_entry(cupy, mods, batch_shape):
@@ -342,16 +343,30 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
     return out, vjp
 
 
+# What _compile_backward_soon has started: (device, dtype, head dims, packed, the functions' source
+# key); a repeat call starts nothing (its kernels are compiled or compiling), so it skips the
+# names' lookup. Past BACKWARDS_ASKED of them it starts over.
+BACKWARDS_ASKED = 4096
+_backwards_asked: set = set()
+
+
 def _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, packed: bool) -> None:
     """Starts compiling the backward's kernels with the call's functions on other threads, so
     that a first forward and backward takes about the longest of the three compiles rather than
     their sum. Inputs or functions that `attention` refuses are left to it (it raises)."""
     try:
         user = _user_functions(score_mod, mask_mod, block_mask, q, k, v)
-        with q.device:
+        device = q.device
+        key = (device.id, q.dtype, q.shape[-1], v.shape[-1], packed, user.source.key)
+        if key in _backwards_asked:
+            return
+        with device:
             _dispatch.compile_user_backward_soon(q.dtype.name, q.shape[-1], v.shape[-1], packed, user.source)
     except (AttributeError, KeyError, TypeError, ValueError):
         return
+    if len(_backwards_asked) >= BACKWARDS_ASKED:
+        _backwards_asked.clear()
+    _backwards_asked.add(key)
 
 
 def merge_attention(outs, lses):

@@ -7,6 +7,7 @@ CuPy arrays into what a kernel launch needs (``AttnInputs``).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -223,9 +224,7 @@ def block_mask_function(mask_mod, block_mask):
     ValueError for one without a mask function, or beside a different ``mask_mod``."""
     if block_mask is None:
         return mask_mod
-    from .reference import BlockMask
-
-    if not isinstance(block_mask, BlockMask):
+    if not isinstance(block_mask, _block_mask_class()):
         raise TypeError(f"block_mask must be a BlockMask of cuflash.block_mask, got {type(block_mask).__name__}")
     if block_mask.mask_mod is None:
         raise ValueError("block_mask has no mask function: build it with cuflash.block_mask(mask_mod, ...)")
@@ -233,6 +232,13 @@ def block_mask_function(mask_mod, block_mask):
         raise ValueError("mask_mod is not the function block_mask was built from: pass block_mask alone "
                          "(it carries its mask_mod)")
     return block_mask.mask_mod
+
+
+@functools.cache
+def _block_mask_class():
+    from .reference import BlockMask   # (here, not above: reference imports this module)
+
+    return BlockMask
 
 
 def check_block_mask_fits(block_mask, batch_shape, nq, nk) -> None:
@@ -244,14 +250,24 @@ def check_block_mask_fits(block_mask, batch_shape, nq, nk) -> None:
     if tuple(block_mask.shape) != (nq, nk):
         raise ValueError(f"block_mask was built for (Nq, Nk) = {tuple(block_mask.shape)}, but the call has "
                          f"({nq}, {nk})")
-    rows, keys = check_block_mask((), nq, nk, block_mask.block)[3]
+    rows, keys = _block_of(block_mask.block, nq, nk)
     kinds, blocks = block_mask.kinds, (-(-nq // rows), -(-nk // keys))
-    if str(kinds.dtype) != "int8" or kinds.ndim < 2 or tuple(kinds.shape[-2:]) != blocks:
+    if kinds.dtype != np.int8 or kinds.ndim < 2 or tuple(kinds.shape[-2:]) != blocks:
         raise ValueError(f"block_mask.kinds must be int8 of shape batch + {blocks}, got {kinds.dtype} "
                          f"{tuple(kinds.shape)}")
     batch = tuple(kinds.shape[:-2])
     if len(batch) > len(batch_shape) or any(n not in (1, m) for n, m in zip(batch[::-1], batch_shape[::-1])):
         raise ValueError(f"block_mask's batch shape {batch} does not broadcast to the call's {tuple(batch_shape)}")
+
+
+def _block_of(block, nq, nk) -> tuple[int, int]:
+    """A block mask's ``block`` as two positive ints, or `check_block_mask`'s ValueError: at
+    little cost where it is a tuple of two (each call with a block mask checks it)."""
+    if type(block) is tuple and len(block) == 2:
+        rows, keys = block
+        if type(rows) is int and type(keys) is int and rows > 0 and keys > 0:
+            return block
+    return check_block_mask((), nq, nk, block)[3]
 
 
 def check_head_dim(name: str, axis: str, n: int) -> None:

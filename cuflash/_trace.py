@@ -8,8 +8,11 @@ recorded. Python control flow on a traced value, functions other than the few be
 of arrays that are not captured this way raise TypeError naming the operation and the line.
 
 A trace is kept per function and signature: the number of batch dims, the dtype and shape of
-each captured array, and the value of each captured Python number (so a changed global number
-gives a new trace). The arrays' data are read at each call (`captured_arrays`), never kept.
+each captured array (and which names share one array), the value of each captured Python number
+(so a changed global number gives a new trace), and the code of the function and of those it
+calls. The arrays' data are read at each call (`captured_arrays`), never kept. A call whose
+function's variables hold the objects of its last walk, arrays of the same dtypes and shapes,
+skips the walk (`_Walk`): it reads each variable and compares, holding nothing alive.
 """
 
 from __future__ import annotations
@@ -486,7 +489,8 @@ class _Trace:
 
 
 def _captured(fn):
-    """The captured arrays (each once, in walk order) and the signature part of captures."""
+    """The captured arrays (each once, in walk order), their places in that order by id, and the
+    signature part of captures (an array's place in it: two names of one array read one slot)."""
     arrays, order, signature = [], {}, []
 
     def visit(path, value):
@@ -494,12 +498,109 @@ def _captured(fn):
             if id(value) not in order:
                 order[id(value)] = len(arrays)
                 arrays.append(value)
-            signature.append((path, value.dtype, tuple(value.shape)))   # (the dtype: its name is slow to get)
+            # (the dtype: its name is slow to get)
+            signature.append((path, value.dtype, tuple(value.shape), order[id(value)]))
         else:
             signature.append((path, type(value).__name__, repr(value)))
 
     _walk(fn, visit)
     return arrays, order, tuple(signature)
+
+
+class _Sentinel:
+    """A marker a weak reference can point to."""
+
+
+_UNBOUND, _ABSENT, _PASSED_OVER = _Sentinel(), _Sentinel(), _Sentinel()
+
+
+def _names(code) -> tuple:
+    """The names ``code`` and the code objects it holds look up, each once (those `_variables`
+    looks for in the globals)."""
+    codes = (code, *(c for c in code.co_consts if isinstance(c, types.CodeType)))
+    return tuple(dict.fromkeys(name for c in codes for name in c.co_names))
+
+
+def _place_values(fn, names) -> list:
+    """What ``fn``'s closure cells hold (`_UNBOUND` for an empty one), then its globals under
+    ``names`` (`_ABSENT` for a missing one)."""
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            values.append(_UNBOUND)
+    if names:
+        found = fn.__globals__
+        values += [found.get(name, _ABSENT) for name in names]
+    return values
+
+
+def _expected(value):
+    """How a later call tells that a place still holds ``value``: a weak reference where it takes
+    one (arrays, functions, modules: a walk keeps nothing alive), the number itself (immutable),
+    else `_PASSED_OVER` (a value a walk passes over, which must stay one)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return (lambda: value) if _is_number(value) else _PASSED_OVER
+
+
+class _Walk:
+    """What `_captured` found for a function, and what it read: the code of each function it
+    walked, and the value in each closure cell and global their code names. A later call whose
+    functions have the same code, whose places hold the same objects and whose captured arrays
+    have the same dtypes and shapes would find the same, so it skips the walk (a repeat call's
+    host time); anything else walks again."""
+
+    def __init__(self, fn, arrays, order, signature):
+        self.order = order
+        self.arrays = [weakref.ref(a) for a in arrays]
+        self.layouts = [(a.dtype, tuple(a.shape)) for a in arrays]
+        self.traces = {}   # (role, batch_dims) -> Traced, for this signature
+        self.functions, self.expected = [], []   # (weak reference, code, names) of each; per place
+        pending, seen = [fn], {id(fn)}
+        while pending:   # (the functions `_walk` reaches, in another order)
+            f = pending.pop()
+            code = f.__code__
+            names = _names(code)
+            self.functions.append((weakref.ref(f), code, names))
+            for value in _place_values(f, names):
+                self.expected.append(_expected(value))
+                if _user_function(value) and id(value) not in seen:
+                    seen.add(id(value))
+                    pending.append(value)
+        # (with the functions' code: another helper function, or new code, is another trace)
+        self.signature = (signature, tuple(code for _, code, _ in self.functions))
+
+    def arrays_now(self) -> list | None:
+        """The captured arrays in walk order, or None where a walk might now find otherwise."""
+        values = []
+        for ref, code, names in self.functions:
+            f = ref()
+            if f is None or f.__code__ is not code:
+                return None
+            values += _place_values(f, names)
+        for value, expected in zip(values, self.expected):
+            if expected is _PASSED_OVER:
+                if _user_function(value) or _array_or_number(value):
+                    return None
+            elif value is None or expected() is not value:   # (a dead reference gives None)
+                return None
+        arrays = [ref() for ref in self.arrays]   # (alive: their places hold them)
+        for a, (dtype, shape) in zip(arrays, self.layouts):
+            if a.dtype != dtype or a.shape != shape:
+                return None
+        return arrays
+
+
+class _Kept:
+    """A function's traces by signature, and its last walk."""
+
+    __slots__ = ("traces", "walk")
+
+    def __init__(self):
+        self.traces, self.walk = {}, None
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -513,22 +614,38 @@ def trace(fn, role: str, batch_dims: int) -> Traced:
 
 def trace_call(fn, role: str, batch_dims: int) -> tuple[Traced, list]:
     """`trace`, and the arrays ``fn`` reads now in the trace's slots (as `captured_arrays`
-    gives them: one walk of the function for both, where a call needs both)."""
+    gives them: one walk of the function for both, where a call needs both; none where the
+    function's last walk still holds, `_Walk`)."""
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"{role} must be a Python function (def or lambda), got {type(fn).__name__}")
-    arrays, order, signature = _captured(fn)
-    key = (role, batch_dims, signature)
-    per_function = _CACHE.setdefault(fn, {})
-    traced = per_function.get(key)
+    kept, arrays = _walked(fn)
+    walk = kept.walk
+    traced = walk.traces.get((role, batch_dims))
     if traced is None:
-        traced = per_function[key] = _trace(fn, role, batch_dims, arrays, order)
+        key = (role, batch_dims, walk.signature)
+        traced = kept.traces.get(key)
+        if traced is None:   # (a function that breaks the rules raises here, at every call)
+            traced = kept.traces[key] = _trace(fn, role, batch_dims, arrays, walk.order)
+        walk.traces[(role, batch_dims)] = traced
     return traced, _in_slots(arrays, traced)
+
+
+def _walked(fn) -> tuple[_Kept, list]:
+    """What is kept for ``fn``, its walk current, and the arrays it captures now (walk order)."""
+    kept = _CACHE.get(fn)
+    if kept is None:
+        kept = _CACHE.setdefault(fn, _Kept())
+    arrays = None if kept.walk is None else kept.walk.arrays_now()
+    if arrays is None:
+        arrays, order, signature = _captured(fn)
+        kept.walk = _Walk(fn, arrays, order, signature)
+    return kept, arrays
 
 
 def captured_arrays(fn, traced: Traced) -> list:
     """The arrays ``fn`` reads now, in ``traced``'s slots (``traced`` from `trace` of the same call:
     their dtypes and shapes are the traced ones, their data are read here, never kept)."""
-    return _in_slots(_captured(fn)[0], traced)
+    return _in_slots(_walked(fn)[1], traced)
 
 
 def _in_slots(arrays, traced: Traced) -> list:

@@ -12,11 +12,12 @@ import numpy as np
 from . import _codegen, _trace
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, slots=True)   # (not frozen: a frozen dataclass took 1.4 µs to make, at every call)
 class UserMods:
     """The functions of a call and their traces (None where absent), the generated source the
     kernels are compiled with (its ``key`` part of the call's plan), and the arrays the functions
-    read at this call (the score function's, then the mask function's, in their traces' slots)."""
+    read at this call (the score function's, then the mask function's, in their traces' slots).
+    Made per call, never changed."""
 
     score_mod: object
     mask_mod: object
@@ -67,46 +68,47 @@ _arguments: dict = {}
 
 def arguments(cupy, user: UserMods, batch_shape, device: int, block_mask=None):
     """The kernels' user_args for a call over ``batch_shape``: the shape in `_trace.MAX_DIMS`
-    words, the block mask's (`block_words`), then the descriptors of the arrays the functions
+    words, the block mask's (`block_layout`), then the descriptors of the arrays the functions
     capture (the score function's first), on the device (made once per distinct words, up to
     `ARGUMENTS_KEPT` of them); TypeError for a captured array or a block mask not on ``device``."""
     arrays = user.arrays
-    scored = 0 if user.score is None else len(user.score.positions)
-    for traced, captured in ((user.score, arrays[:scored]), (user.mask, arrays[scored:])):
-        if traced is not None:
-            _trace.check_devices(traced, captured, device)
-    blocks = block_words(block_mask, batch_shape, device)
+    if arrays:
+        scored = 0 if user.score is None else len(user.score.positions)
+        for traced, captured in ((user.score, arrays[:scored]), (user.mask, arrays[scored:])):
+            if traced is not None:
+                _trace.check_devices(traced, captured, device)
+    blocks = block_mask_layout(block_mask, device)
     # (what the words are made of, without making them: a pointer, shape and strides per array)
-    key = (device, tuple(batch_shape), blocks.tobytes(),
-           *((_codegen.data_pointer(a), a.shape, a.strides) for a in arrays))
+    key = (device, tuple(batch_shape), blocks, *[(_codegen.data_pointer(a), a.shape, a.strides) for a in arrays])
     kept = _arguments.get(key)
     if kept is None:
         shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
         shape[:len(batch_shape)] = batch_shape
-        kept = cupy.asarray(np.concatenate([shape, blocks, _codegen.descriptors(arrays).view(np.int64)]))
+        words = _NO_BLOCK_MASK if blocks is None else block_layout(*blocks, batch_shape)
+        kept = cupy.asarray(np.concatenate([shape, words, _codegen.descriptors(arrays).view(np.int64)]))
         if len(_arguments) < ARGUMENTS_KEPT:   # (setdefault: one array per key, whichever thread comes first)
             kept = _arguments.setdefault(key, kept)
     return kept
 
 
 BLOCK_WORDS = 7 + _trace.MAX_DIMS   # kernels/user/block_tiles.cuh: cf_block_mask
-_NO_BLOCK_MASK = np.zeros(BLOCK_WORDS, dtype=np.int64)
+_NO_BLOCK_MASK = np.zeros(BLOCK_WORDS, dtype=np.int64)   # (no block mask: the kernels read zeros)
 _NO_BLOCK_MASK.flags.writeable = False
 
 
-def block_words(block_mask, batch_shape, device: int) -> np.ndarray:
-    """A block mask (checked to fit the call: `_checks.check_block_mask_fits`) as the kernels
-    read it (`block_layout`); zeros without one. TypeError for kinds that are not a CuPy array
-    on ``device``."""
+def block_mask_layout(block_mask, device: int):
+    """A block mask's kinds (checked to fit the call: `_checks.check_block_mask_fits`) as
+    `block_layout` takes them, (pointer, shape, strides, block); None without one. TypeError for
+    kinds that are not a CuPy array on ``device``."""
     if block_mask is None:
-        return _NO_BLOCK_MASK
+        return None
     kinds = block_mask.kinds
     if type(kinds).__module__.split(".")[0] != "cupy":
         raise TypeError("block_mask.kinds is not a CuPy array: the GPU functions take a block mask of "
                         "cuflash.block_mask (cuflash.reference.block_mask's is for the reference)")
     if kinds.device.id != device:
         raise TypeError(f"block_mask is on device {kinds.device.id}, but q is on device {device}")
-    return block_layout(kinds.data.ptr, kinds.shape, kinds.strides, block_mask.block, batch_shape)
+    return kinds.data.ptr, kinds.shape, kinds.strides, tuple(block_mask.block)
 
 
 def block_layout(pointer: int, shape, strides, block, batch_shape) -> np.ndarray:

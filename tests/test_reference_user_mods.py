@@ -319,6 +319,27 @@ def test_a_block_mask_applies_its_function():
                 np.testing.assert_array_equal(g, w)
 
 
+def test_a_block_mask_block_may_be_any_two_positive_ints():
+    """A block mask's ``block`` as a tuple of ints, a list or NumPy ints: the same results (the
+    check of a block on each call takes a tuple of ints at little cost, anything else through
+    `_checks.check_block_mask`)."""
+    import dataclasses
+
+    q, k, v = (np.random.default_rng(5).standard_normal((2, 16, 8)) for _ in range(3))
+
+    def mask(h, qi, kj):
+        return kj <= qi
+
+    blocks = reference.block_mask(mask, (2,), 16, 16, block=(8, 8))
+    want = reference.attention(q, k, v, block_mask=blocks)
+    for block in ([8, 8], (np.int64(8), np.int32(8))):
+        np.testing.assert_array_equal(reference.attention(q, k, v, block_mask=dataclasses.replace(blocks, block=block)),
+                                      want)
+    for block in ((8, True), (8.0, 8), (8, -8)):
+        with pytest.raises(ValueError, match="block"):
+            reference.attention(q, k, v, block_mask=dataclasses.replace(blocks, block=block))
+
+
 def test_a_block_mask_that_does_not_fit_the_call_is_refused():
     """A block mask for other sizes, a batch that does not broadcast, kinds of another shape or
     dtype, a different mask_mod beside it, one without a function or not a BlockMask at all:

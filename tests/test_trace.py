@@ -9,6 +9,7 @@ float32 evaluation; the symbolic derivative must equal finite differences.
 
 import ctypes
 import dataclasses
+import gc
 import math
 import os
 import re
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import numpy as np
 import pytest
@@ -213,6 +215,116 @@ def test_a_trace_is_cached_per_signature_and_follows_captured_numbers():
     table = np.ones(4, dtype=np.float32)   # same dtype and shape: the same trace, the new data
     assert _trace.trace(fn, "score_mod", 0) is second
     assert _trace.captured_arrays(fn, second)[0] is table
+
+
+def test_a_repeat_call_skips_the_walk_and_sees_what_changed(monkeypatch):
+    """A call whose function's places (closure cells, the globals its code and the functions it
+    calls name) hold the objects of the last call, and whose arrays have its dtypes and shapes,
+    does not walk the function again (`_captured`); a rebound closure variable, an array
+    reshaped in place, a rebound global number or helper function, new code, or a value the walk
+    passed over that is now a number is seen at the next call. A function that breaks the rules
+    raises at every call."""
+    walks = []
+    captured = _trace._captured
+    monkeypatch.setattr(_trace, "_captured", lambda fn: (walks.append(fn), captured(fn))[1])
+    space = {"scale": 2.0, "mode": "as given"}
+    exec(textwrap.dedent("""
+        def helper(k):
+            return k * scale
+
+        def make(table):
+            def fn(score, q, k):
+                return score + table[q] + helper(k) * (1.0 if isinstance(mode, str) else mode)
+
+            def rebind(new):
+                nonlocal table
+                table = new
+            return fn, rebind
+
+        def other_code(table):
+            return lambda score, q, k: score - table[q]
+    """), space)
+    table = np.arange(4, dtype=np.float32)
+    fn, rebind = space["make"](table)
+
+    def call():
+        traced, arrays = _trace.trace_call(fn, "score_mod", 0)
+        return traced, arrays[0]
+
+    first, read = call()
+    assert read is table and len(walks) == 1
+    assert call() == (first, table) and len(walks) == 1   # (no walk)
+    rebind(other := np.ones(4, dtype=np.float32))   # same dtype and shape: the trace, the new array
+    assert call() == (first, other) and len(walks) == 2
+    other.shape = (2, 2)   # in place: read with one index, refused at every call (one walk)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="has 2 dims but is read with 1"):
+            call()
+    other.shape = (4,)
+    assert call() == (first, other) and len(walks) == 4
+    sources = {_codegen.score_mod_source(first).text}
+    for change in (lambda: space.update(scale=3.0), lambda: space.update(helper=lambda k: k - 1),
+                   lambda: space.update(mode=0.5),
+                   lambda: setattr(fn, "__code__", space["other_code"](table).__code__)):
+        change()
+        traced, read = call()
+        assert _codegen.score_mod_source(traced).text not in sources and read is other
+        sources.add(_codegen.score_mod_source(traced).text)
+        assert call()[0] is traced
+
+
+def test_a_walk_keeps_nothing_alive():
+    """What a trace keeps of its function's last walk holds no captured array and not the
+    function: an array rebound away, and the function itself, can be freed."""
+    table = np.zeros(4, dtype=np.float32)
+
+    def fn(score, q, k):
+        return score + table[q]
+
+    _trace.trace_call(fn, "score_mod", 0)
+    gone = weakref.ref(table)
+    table = np.ones(4, dtype=np.float32)
+    gc.collect()
+    assert gone() is None
+    assert _trace.trace_call(fn, "score_mod", 0)[1][0] is table
+    gone = weakref.ref(fn)
+    del fn
+    gc.collect()
+    assert gone() is None
+
+
+def test_two_names_of_one_array_read_one_slot_until_they_part():
+    """An array a function reads under two names is one slot of its trace; once the names hold
+    two arrays (of the same dtype and shape), a new trace reads each."""
+    a = b = np.zeros(4, dtype=np.float32)
+
+    def fn(score, q, k):
+        return score + a[q] * b[k]
+
+    one, arrays = _trace.trace_call(fn, "score_mod", 0)
+    assert len(one.captures) == 1 and len(arrays) == 1 and arrays[0] is a
+    b = np.ones(4, dtype=np.float32)
+    two, arrays = _trace.trace_call(fn, "score_mod", 0)
+    assert len(two.captures) == 2 and arrays[0] is a and arrays[1] is b
+
+
+def test_a_function_that_breaks_the_rules_raises_at_every_call():
+    """The tracer's TypeErrors come at every call, not only the first: nothing is kept of a
+    function it refuses that would let a later call through."""
+    from cuflash import _user
+
+    wide = np.zeros(4)   # float64
+
+    def branches(score, q, k):
+        if score > 0:
+            return score
+        return -score
+
+    for fn, message in ((branches, "Python `if`"), (lambda s, q, k: s + wide[q], "float64"),
+                        (len, "must be a Python function")):
+        for _ in range(3):
+            with pytest.raises(TypeError, match=message):
+                _user.trace(fn, None, 0)
 
 
 def test_the_same_function_gives_the_same_source():
@@ -729,6 +841,44 @@ def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
     user = _user.trace(score_mod, None, 2)
     assert _user.arguments(FakeCupy, user, (2, 3), 0) is not _user.arguments(FakeCupy, user, (2, 3), 0)
     assert len(FakeCupy.copies) == 6
+
+
+def test_attention_vjp_asks_for_the_backward_compiles_once(monkeypatch):
+    """attention_vjp starts the backward's compiles (`_compile_backward_soon`) at its first call
+    with a function's source and shapes, not at each call: again only for another source, head
+    dim, dtype or packing."""
+    from cuflash import _api, _dispatch
+
+    class Device:
+        id = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Array:
+        def __init__(self, d=64, dtype=np.float16):
+            self.device, self.dtype, self.shape, self.ndim = Device(), np.dtype(dtype), (1, 2, 8, d), 4
+
+    asked = []
+    monkeypatch.setattr(_dispatch, "compile_user_backward_soon", lambda *args: asked.append(args[:4]))
+    monkeypatch.setattr(_api, "_backwards_asked", set())
+    offset = 1.0
+
+    def score_mod(score, b, h, q, k):
+        return score + offset
+
+    def soon(x=None, packed=False):
+        x = Array() if x is None else x
+        _api._compile_backward_soon(x, x, x, score_mod, None, None, packed)
+
+    soon(), soon()
+    assert asked == [("float16", 64, 64, False)]
+    offset = 2.0   # noqa: F841 - read by score_mod: a new source
+    soon(), soon(Array(128)), soon(Array(dtype=np.float32)), soon(packed=True), soon()
+    assert len(asked) == 5
 
 
 @requires_cxx
