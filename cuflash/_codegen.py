@@ -83,6 +83,39 @@ CUFLASH_MOD_FN float cf_bits(unsigned int u) {
     return f;
 #endif
 }
+// exp, log, tanh and division: the hardware's approximate forms in kernels of 16-bit inputs
+// (CUFLASH_USER_FAST, defined for them: errors of 2^-21 to 2^-11, below those inputs' rounding),
+// the library's elsewhere (float32 kernels, the host).
+CUFLASH_MOD_FN float cf_exp(float x) {
+#if defined(__CUDA_ARCH__) && defined(CUFLASH_USER_FAST)
+    return __expf(x);
+#else
+    return expf(x);
+#endif
+}
+CUFLASH_MOD_FN float cf_log(float x) {
+#if defined(__CUDA_ARCH__) && defined(CUFLASH_USER_FAST)
+    return __logf(x);
+#else
+    return logf(x);
+#endif
+}
+CUFLASH_MOD_FN float cf_tanh(float x) {
+#if defined(__CUDA_ARCH__) && defined(CUFLASH_USER_FAST)
+    float y;
+    asm("tanh.approx.f32 %%0, %%1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return tanhf(x);
+#endif
+}
+CUFLASH_MOD_FN float cf_div(float a, float b) {
+#if defined(__CUDA_ARCH__) && defined(CUFLASH_USER_FAST)
+    return __fdividef(a, b);
+#else
+    return a / b;
+#endif
+}
 CUFLASH_MOD_FN float cf_inf() { return cf_bits(0x7f800000u); }
 CUFLASH_MOD_FN float cf_nan() { return cf_bits(0x7fc00000u); }
 CUFLASH_MOD_FN float cf_bf16(unsigned short h) { return cf_bits((unsigned int)h << 16); }
@@ -117,8 +150,8 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=",
           "eq": "==", "ne": "!=", "and": "&&", "or": "||", "xor": "!="}
 _INT_CALLS = {"add": "cf_iadd", "sub": "cf_isub", "mul": "cf_imul", "floordiv": "cf_floordiv", "mod": "cf_mod",
               "min": "cf_imin", "max": "cf_imax", "neg": "cf_ineg", "abs": "cf_iabs"}
-_FLOAT_CALLS = {"min": "cf_fmin", "max": "cf_fmax", "abs": "fabsf", "exp": "expf", "log": "logf", "tanh": "tanhf",
-                "sqrt": "sqrtf"}
+_FLOAT_CALLS = {"min": "cf_fmin", "max": "cf_fmax", "abs": "fabsf", "exp": "cf_exp", "log": "cf_log", "tanh": "cf_tanh",
+                "div": "cf_div", "sqrt": "sqrtf"}
 
 
 @dataclass(frozen=True)
@@ -243,8 +276,9 @@ def user_mods_source(score: Traced | None, mask: Traced | None) -> Source:
     score itself without one), ``cuflash_user_dscore`` (the same arguments), its derivative with
     respect to the score (1 without one), and ``cuflash_user_mask(entry, shape, q_idx, kv_idx, arrays)``,
     the mask function (true without one), whose captured arrays follow the score function's in
-    ``arrays``; and ``CUFLASH_USER_MASK``, 1 where there is a mask function."""
-    text = f"#define CUFLASH_USER_MASK {int(mask is not None)}\n"
+    ``arrays``; and ``CUFLASH_USER_SCORE`` and ``CUFLASH_USER_MASK``, 1 where there is a score
+    function, a mask function."""
+    text = f"#define CUFLASH_USER_SCORE {int(score is not None)}\n#define CUFLASH_USER_MASK {int(mask is not None)}\n"
     indices = "long long q_idx, long long kv_idx, const cuflash_array* arrays"
     unused = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n"
     if score is not None:

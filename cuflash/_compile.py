@@ -199,15 +199,17 @@ def compile_soon(name_expressions, user) -> None:
             _compiler_pool.submit(compile_one, name)
 
 
-def user_kernel_source(source) -> str:
+def user_kernel_source(source, fast: bool = False) -> str:
     """The kernels' source followed by a call's score and mask functions (_codegen.Source of
     user_mods_source), the block mask's lookup and the score path that calls them
-    (kernels/user/block_tiles.cuh, user_scores.cuh)."""
+    (kernels/user/block_tiles.cuh, user_scores.cuh); ``fast``: the functions' exp, log, tanh and
+    division in the hardware's approximate forms (_codegen.PREAMBLE: CUFLASH_USER_FAST), for
+    kernels of 16-bit inputs."""
     from . import _codegen
 
     user = kernel_dir() / "user"
-    return (kernel_source() + _codegen.PREAMBLE + source.text + (user / "block_tiles.cuh").read_text()
-            + (user / "user_scores.cuh").read_text())
+    return (kernel_source() + ("#define CUFLASH_USER_FAST\n" if fast else "") + _codegen.PREAMBLE + source.text
+            + (user / "block_tiles.cuh").read_text() + (user / "user_scores.cuh").read_text())
 
 
 def get_function(name_expression: str, smem_bytes: int, user=None):
@@ -222,7 +224,8 @@ def get_function(name_expression: str, smem_bytes: int, user=None):
     key = (cupy.cuda.runtime.getDevice(), name_expression, None if user is None else user.key)
 
     def build():
-        code = kernel_source() if user is None else user_kernel_source(user)
+        # (the float32 kernels' functions keep the library's exact math)
+        code = kernel_source() if user is None else user_kernel_source(user, "cuflash::f32" not in name_expression)
         module = cupy.RawModule(code=code, options=_module_options(current_arch()),
                                 name_expressions=(name_expression,))
         _smem_limits[key] = DEFAULT_SMEM_LIMIT   # a new function's own limit

@@ -127,9 +127,10 @@ def bias_and_dropout(mods, batch_dims: int) -> tuple:
     bias = mods.bias if mods is not None else None
     if bias is None:
         return dropout + (0, 0, 0, (0,) * MAX_BATCH_DIMS)
-    assert len(bias.batch_strides) == batch_dims, "the bias's strides are those of the kernels' batch dims"
+    pad = batch_dims - len(bias.batch_strides)   # (leading dims of size 1: a tensor map's padded layout)
+    assert pad >= 0, "the bias's strides are those of the kernels' batch dims"
     return dropout + (bias.row_stride, bias.col_stride, int(bias.float32),
-                      tuple(bias.batch_strides) + (0,) * (MAX_BATCH_DIMS - batch_dims))
+                      (0,) * pad + tuple(bias.batch_strides) + (0,) * (MAX_BATCH_DIMS - batch_dims))
 
 
 def fast_divisor(d: int) -> int:

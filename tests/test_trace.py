@@ -760,7 +760,8 @@ finally:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_attention_kernels_compile_with_score_and_mask_functions(arch):
     """The forward and backward kernels' UserScores path (kernels/user/user_scores.cuh) after a
-    score function that reads a table and a mask function that reads document ids, dense and
+    score function that reads a table and a mask function that reads document ids (in the 16-bit
+    kernels' fast math, _codegen.PREAMBLE's CUFLASH_USER_FAST), dense and
     packed, with no warning, the forwards with no spill (the portable one, and on sm_90a the
     one with a loading warpgroup at head dims 64 and 128, through tensor maps and not), the
     backward with at most 16 bytes (head dim 64)."""
@@ -784,7 +785,7 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
                 ws = _tiles.sm90_ws_fwd_tiles(dtype, head_dim, scores=_tiles.FULL)
                 loaders = [ws.without_maps()] + ([] if packed else [dataclasses.replace(ws, tma=True)])
                 names += [_tiles.user_name(_tiles.sm90_ws_fwd_name(dtype, t, packed, _tiles.FULL)) for t in loaders]
-    job = {"source": _compile.user_kernel_source(_codegen.user_mods_source(score, mask)), "names": names,
+    job = {"source": _compile.user_kernel_source(_codegen.user_mods_source(score, mask), fast=True), "names": names,
            "options": list(_compile.nvrtc_options(arch))}
     result = subprocess.run([python, "-c", NVRTC_NAMED_SCRIPT], input=json.dumps(job), capture_output=True, text=True)
     log = result.stdout + result.stderr

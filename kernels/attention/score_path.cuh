@@ -78,6 +78,28 @@ struct BlockWalk<true> {
     }
 };
 
+// What a call's block mask says of the key blocks of one row of tiles, for a thread on its own
+// (the Hopper forward's loader, which skips the empty ones as the computing warps do): the rows'
+// blocks looked up once, then a load or two per key block. Off the user path every tile is
+// PARTIAL, and nothing is looked up.
+template <class Scores, bool ON = Scores::USER>
+struct BlockRowKinds {
+    __device__ __forceinline__ BlockRowKinds(const AttnParams&, const Work&, int, int) {}
+    __device__ __forceinline__ TileKind at(int, int) const { return TileKind::PARTIAL; }
+};
+template <class Scores>
+struct BlockRowKinds<Scores, true> {
+    decltype(Scores::row(nullptr, 0u, 0ll, 0ll)) row;
+    int k0, nk;
+    // rows [m0, m_end) of work w's sequence (clipped to it; m0 inside)
+    __device__ __forceinline__ BlockRowKinds(const AttnParams& p, const Work& w, int m0, int m_end)
+        : row(Scores::row(p.user_args, w.entry, w.q0 + m0, w.q0 + min(m_end, w.nq))), k0(w.k0), nk(w.nk) {}
+    // keys [n0, n_end) of the sequence (clipped to it; n0 inside), as ScorePath::tile says
+    __device__ __forceinline__ TileKind at(int n0, int n_end) const {
+        return TileKind(Scores::row_tile(row, k0 + n0, k0 + min(n_end, nk)));
+    }
+};
+
 // fn(mt, nt, e) for each element e of each m16n8 C fragment (mt, nt) a thread holds, unrolled
 template <int M_TILES, int N_TILES, class Fn>
 __device__ __forceinline__ void for_each_element(Fn&& fn) {
@@ -237,15 +259,9 @@ struct ScorePath {
     // What the call's block mask says of rows [m0, m_end) and keys [n0, n_end) of the sequence
     // (clipped to it; m0 and n0 inside)
     __device__ __forceinline__ TileKind tile(int m0, int m_end, int n0, int n_end) const {
-        return tile_of(p, Work{entry, 0, q0, k0, nq, nk}, m0, m_end, n0, n_end);
-    }
-    // The same for the sequence of work w and its query entry, with no path at hand (the
-    // Hopper forward's loader, which skips the key blocks the block mask leaves empty)
-    __device__ __forceinline__ static TileKind tile_of(const Params& p, const Work& w, int m0, int m_end, int n0,
-                                                       int n_end) {
         if constexpr (Scores::USER) {
-            return TileKind(Scores::tile(p.user_args, w.entry, w.q0 + m0, w.q0 + min(m_end, w.nq), w.k0 + n0,
-                                         w.k0 + min(n_end, w.nk)));
+            return TileKind(
+                Scores::tile(p.user_args, entry, q0 + m0, q0 + min(m_end, nq), k0 + n0, k0 + min(n_end, nk)));
         } else {
             return TileKind::PARTIAL;
         }
@@ -310,9 +326,13 @@ struct ScorePath {
             apply_user<false>(s, row0, col0, tile, none);
         }
     }
-    // softcap and ALiBi (MODIFIED), the steps before the bias
+    // softcap and ALiBi (MODIFIED), the steps before the bias; on the user path skipped where the
+    // call has neither (a uniform branch: most calls with their own functions)
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void cap_and_alibi(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
+        if constexpr (Scores::USER) {
+            if (!capped() && slope == 0.f) return;
+        }
         if constexpr (MODIFIED) {
             if (capped()) {
                 modify_all<KEYS_IN_ROWS, true>(s, row0, col0);
@@ -353,11 +373,16 @@ struct ScorePath {
     // ON: each factor times the score function's derivative there, 0 past the sequence's rows
     // and keys (whose p is 0, but whose derivative may not be finite). A FULL tile skips the
     // mask function (a uniform branch per tile).
+    // Without a score function the scores pass as they are, and (the forward) a FULL tile is
+    // left alone.
     template <bool KEYS_IN_ROWS, class Score, int M_TILES, int N_TILES, class Factors>
     __device__ __forceinline__ void apply_user(Score (&s)[M_TILES][N_TILES][4], int row0, int col0, TileKind tile,
                                                Factors& f) const {
         const float scale = 1.f / p.slope_unit;
         const bool test = Scores::MASK && tile != TileKind::FULL;
+        if constexpr (!Scores::SCORE && !Factors::ON) {
+            if (!test) return;
+        }
         for_each_element<M_TILES, N_TILES>([&](int mt, int nt, int e) {
             int i, j;
             position_of<KEYS_IN_ROWS>(row0, col0, mt, nt, e, i, j);
@@ -366,9 +391,13 @@ struct ScorePath {
             if constexpr (Factors::ON) {
                 f.d[nt][e] = i < nq && j < nk ? f.d[nt][e] * Scores::dscore(in, entry, qi, kj, p.user_args) : 0.f;
             }
-            const float x = Scores::score(in, entry, qi, kj, p.user_args);
             const bool kept = !test || Scores::allowed(entry, qi, kj, p.user_args);
-            s[mt][nt][e] = Score(kept ? x * p.slope_unit : -CUFLASH_INF);
+            if constexpr (Scores::SCORE) {
+                const float x = Scores::score(in, entry, qi, kj, p.user_args);
+                s[mt][nt][e] = Score(kept ? x * p.slope_unit : -CUFLASH_INF);
+            } else if (!kept) {
+                s[mt][nt][e] = Score(-CUFLASH_INF);
+            }
         });
     }
 

@@ -187,11 +187,10 @@ attn_fwd_sm90_ws(const __grid_constant__ WsFwdParams params) {
                     const QSlot qs(q_uses++);
                     mbarrier_wait(bar.q_empty(qs.stage), qs.parity ^ 1u);
                     copy(t, Source::Q, t.m0, s_q + qs.stage * QTile::BYTES, bar.q_full(qs.stage));
+                    // (the key blocks the call's block mask leaves empty: neither loaded nor computed)
+                    const BlockRowKinds<Scores> kinds(p, w, t.m0, t.m_end);
                     for (int nb = t.nb_begin; nb < t.nb_end; ++nb) {
-                        // (the key blocks the call's block mask leaves empty: neither loaded nor computed)
-                        if (ScorePath<T, Scores>::tile_of(p, w, t.m0, t.m_end, nb * BLOCK_N, (nb + 1) * BLOCK_N) ==
-                            TileKind::EMPTY)
-                            continue;
+                        if (kinds.at(nb * BLOCK_N, (nb + 1) * BLOCK_N) == TileKind::EMPTY) continue;
                         const Slot slot(kv_uses);
                         mbarrier_wait(bar.k_empty(slot.stage), slot.parity ^ 1u);
                         copy(t, Source::K, nb * BLOCK_N, s_k + slot.stage * KTile::BYTES, bar.k_full(slot.stage));

@@ -15,7 +15,8 @@ struct UserScores {
     static constexpr bool MODIFIED = true;
     static constexpr bool FULL = true;
     static constexpr bool USER = true;
-    static constexpr bool MASK = CUFLASH_USER_MASK != 0;   // whether there is a mask function
+    static constexpr bool SCORE = CUFLASH_USER_SCORE != 0;   // whether there is a score function
+    static constexpr bool MASK = CUFLASH_USER_MASK != 0;     // whether there is a mask function
 
     __device__ __forceinline__ static const long long* shape(const void* args) {
         return static_cast<const long long*>(args);
@@ -31,6 +32,14 @@ struct UserScores {
     __device__ __forceinline__ static int tile(const void* args, u32 entry, long long r0, long long r1, long long c0,
                                                long long c1) {
         return cf_block_mask_tile(block_mask(args), shape(args), entry, r0, r1, c0, c1);
+    }
+    // The same in two steps, for many key ranges of the same rows: the rows' blocks once
+    // (row), then each key range's kind (row_tile); a lookup is then a load or two
+    __device__ __forceinline__ static cf_block_row row(const void* args, u32 entry, long long r0, long long r1) {
+        return cf_block_mask_row(block_mask(args), shape(args), entry, r0, r1);
+    }
+    __device__ __forceinline__ static int row_tile(const cf_block_row& row, long long c0, long long c1) {
+        return cf_block_row_tile(row, c0, c1);
     }
     // The score function of scaled score s, of row i and key j of flat batch entry `entry`
     __device__ __forceinline__ static float score(float s, u32 entry, long long i, long long j, const void* args) {
