@@ -206,23 +206,23 @@ def _attention_forward(functions, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                        deterministic=None):
     """The forward op's work, with the call's score and mask functions (`_Functions`, eager mode
     only) or None."""
-    packed = cu_seqlens_q is not None
-    _refuse_capture(q.device, dropout_p)
+    packed, device = cu_seqlens_q is not None, q.device
+    _refuse_capture(device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     ready = None
-    if functions is None and q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+    if functions is None and device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
         ready = ("fwd", *map(_layout, (qk, kk, vk)), *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
-        if plan is not None and _launchable(q.device):
-            out, lse = _run_forward(plan, qk, kk, vk)
+        if plan is not None and _launchable(device):
+            out, lse = _run_forward(plan, device, qk, kk, vk)
             return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
-    fns, array, tensor, stream = _backend(q.device)
+    fns, array, tensor, stream = _backend(device)
     with stream:
         arrays = tuple(map(array, (qk, kk, vk)))
         out, lse = fns.attention(*arrays, return_lse=True, **_keywords(
             array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
             softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check),
-            **({} if functions is None else functions.keywords(array, q.device, groups)))
+            **({} if functions is None else functions.keywords(array, device, groups)))
         out, lse = tensor(out).to(q.dtype), tensor(lse).to(torch.float32)
         if ready is not None:
             plan, used = _plans.forward(*arrays, causal, _window(window_left, window_right), scale, None,
@@ -279,9 +279,9 @@ def _launchable(device) -> bool:
     return device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
 
 
-def _run_forward(plan, q, k, v):
+def _run_forward(plan, device, q, k, v):
     """out and lse of a launch-ready forward in cuflash's layout."""
-    device, stream = q.device, _current_stream(q.device)
+    stream = _current_stream(device)
     out = torch.empty(plan.shapes[0], dtype=q.dtype, device=device)
     lse = torch.empty(plan.shapes[1], dtype=torch.float32, device=device)
     counter = (_launch.tile_counter(_checks.require_cupy(), device.index, stream) if plan.launches.counted
@@ -328,22 +328,22 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
                         dropout_p, seed, groups, check, deterministic):
     """The backward op's work, with the call's score and mask functions (`_Functions`) or None:
     dq, dk, dv, dbias and dsinks, None where there is none."""
-    packed = cu_seqlens_q is not None
-    _refuse_capture(q.device, dropout_p)
+    packed, device = cu_seqlens_q is not None, q.device
+    _refuse_capture(device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     if deterministic is None:   # not given: torch's switch, read when the backward runs, as torch's kernels do
         deterministic = torch.are_deterministic_algorithms_enabled()
     dout_k, out_k, lse_k = _kernel_rows(dout, packed, groups), _kernel_rows(out, packed, groups), _kernel_lse(lse, groups)
     ready = None
-    if functions is None and q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+    if functions is None and device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
         ready = ("bwd", bool(deterministic), *map(_layout, (dout_k, qk, kk, vk, out_k, lse_k)),
                  *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
-        if plan is not None and _launchable(q.device):
-            dq, dk, dv = _run_backward(plan, dout_k, qk, kk, vk, out_k, lse_k)
+        if plan is not None and _launchable(device):
+            dq, dk, dv = _run_backward(plan, device, dout_k, qk, kk, vk, out_k, lse_k)
             return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
                     _caller_rows(dv, packed, groups, grouped=False), None, None)
-    fns, array, tensor, stream = _backend(q.device)
+    fns, array, tensor, stream = _backend(device)
     with stream:
         arrays = tuple(map(array, (dout_k, qk, kk, vk, out_k, lse_k)))
         grads = fns.attention_backward(
@@ -351,7 +351,7 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
             bias_grad=bias_grad, **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                              window_left, window_right, scale, softcap, alibi_slopes, sinks, bias,
                                              dropout_p, seed, groups, check),
-            **({} if functions is None else functions.keywords(array, q.device, groups)))
+            **({} if functions is None else functions.keywords(array, device, groups)))
         if ready is not None:
             plan, used = _plans.backward(*arrays, causal, _window(window_left, window_right), scale, None,
                                          bool(deterministic), _api._mods(softcap, None, None))
@@ -377,10 +377,10 @@ def _gradients_as_given(plan, q, k, v) -> bool:
     return plan.shapes[1][-2:] == k.shape[-2:] and plan.shapes[2][-2:] == v.shape[-2:]
 
 
-def _run_backward(plan, dout, q, k, v, out, lse):
+def _run_backward(plan, device, dout, q, k, v, out, lse):
     """dq, dk, dv of a launch-ready backward in cuflash's layout (`_api.attention_backward`'s
     work for the plans `_gradients_as_given` takes)."""
-    device, stream = q.device, _current_stream(q.device)
+    stream = _current_stream(device)
     dq, dk, dv = (torch.empty(shape, dtype=q.dtype, device=device) for shape in plan.shapes[:3])
     delta = torch.empty(plan.shapes[3], dtype=torch.float32, device=device)
     sums = None if plan.launches.dq_sums is None else torch.zeros(plan.shapes[0], dtype=torch.float32, device=device)
