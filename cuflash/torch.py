@@ -487,10 +487,14 @@ class _Attention(torch.autograd.Function):
         output = _attention_forward(functions, *inputs)
         _setup_context(ctx, inputs, output)
         ctx.functions = functions
+        # lse's gradient (it has none) not made as zeros on every backward: an allocation and a fill
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:   # (no gradient reached out: none flows back)
+            return (None,) * 7
         kernels = functools.partial(_attention_backward, ctx.functions)
         return (*_gradients(ctx, dout, ctx.needs_input_grad[4], kernels), None, None)
 
