@@ -478,12 +478,13 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _Attention(torch.autograd.Function):
     """The op's autograd in eager mode, around the op's own functions: the dispatcher's Python
     round trip for a custom op with an autograd formula costs about 100 us a call, this about 4.
-    torch.compile and fake tensors take the op (`_eager`). Its inputs: the tensors that may get
-    gradients, then the op's inputs as one tuple (fewer inputs for autograd to walk, every call),
-    and the call's score and mask functions (`_Functions`), which the op cannot take, or None."""
+    torch.compile and fake tensors take the op (`_eager`). Its inputs: the op's floating tensors
+    (those that may require grad, as the op's autograd sees them), then all the op's inputs as one
+    tuple (fewer inputs for autograd to walk, every call), and the call's score and mask functions
+    (`_Functions`), which the op cannot take, or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, bias, inputs, functions):
+    def forward(ctx, q, k, v, alibi_slopes, sinks, bias, inputs, functions):
         output = _attention_forward(functions, *inputs)
         _setup_context(ctx, inputs, output)
         ctx.functions = functions
@@ -494,9 +495,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:   # (no gradient reached out: none flows back)
-            return (None,) * 7
+            return (None,) * 8
         kernels = functools.partial(_attention_backward, ctx.functions)
-        return (*_gradients(ctx, dout, ctx.needs_input_grad[4], kernels), None, None)
+        dq, dk, dv, dsinks, dbias = _gradients(ctx, dout, ctx.needs_input_grad[5], kernels)
+        return dq, dk, dv, None, dsinks, dbias, None, None
 
 
 class _Functions:
@@ -663,7 +665,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right, scale, softcap,
               alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
     if _eager(q):
-        out, lse = _Attention.apply(q, k, v, sinks, bias, inputs, functions)
+        out, lse = _Attention.apply(q, k, v, alibi_slopes, sinks, bias, inputs, functions)
     elif functions is None:
         out, lse = _attention_fwd(*inputs)
     else:

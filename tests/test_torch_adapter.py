@@ -333,6 +333,16 @@ def test_cpu_no_gradient_into_out_gives_none_as_sdpa(backward_keywords):
     assert backward_keywords == []
 
 
+def test_cpu_alibi_slopes_requiring_grad_get_none():
+    """Slopes that require grad make out require grad, as the op's autograd does, and get none."""
+    q, k, v = qkv(1, 2, 2, 8, 8, 16)
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    out = ct.attention(q, k, v, alibi_slopes=slopes)
+    assert out.requires_grad
+    out.sum().backward()
+    assert slopes.grad is None
+
+
 def keep_mask(seed, n, nq, nk, p):
     """cuflash.reference.dropout_keep for batch entries n (an array), rows 0 .. nq - 1 and keys
     0 .. nk - 1, as a bool tensor of shape n.shape + (nq, nk)."""
