@@ -303,7 +303,7 @@ DECODE_FIELDS = tuple(range(len(_params.DECODE_POINTERS)))
 def call_arrays(names: tuple[str, ...], **given) -> tuple:
     """The arrays of a call in the order of ``names`` (FWD_ARRAYS or BWD_ARRAYS), those not
     given None (a null pointer)."""
-    return tuple(given.get(name) for name in names)
+    return tuple(map(given.get, names))
 
 
 # Device memory that calls reuse in place of allocations, never handed back: kernels queued

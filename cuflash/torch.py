@@ -206,23 +206,23 @@ def _attention_forward(functions, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                        deterministic=None):
     """The forward op's work, with the call's score and mask functions (`_Functions`, eager mode
     only) or None."""
-    packed = cu_seqlens_q is not None
-    _refuse_capture(q.device, dropout_p)
+    packed, device = cu_seqlens_q is not None, q.device
+    _refuse_capture(device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     ready = None
-    if functions is None and q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+    if functions is None and device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
         ready = ("fwd", *map(_layout, (qk, kk, vk)), *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
-        if plan is not None and _launchable(q.device):
-            out, lse = _run_forward(plan, qk, kk, vk)
+        if plan is not None and _launchable(device):
+            out, lse = _run_forward(plan, device, qk, kk, vk)
             return _caller_rows(out, packed, groups), _caller_lse(lse, groups)
-    fns, array, tensor, stream = _backend(q.device)
+    fns, array, tensor, stream = _backend(device)
     with stream:
         arrays = tuple(map(array, (qk, kk, vk)))
         out, lse = fns.attention(*arrays, return_lse=True, **_keywords(
             array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
             softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check),
-            **({} if functions is None else functions.keywords(array, q.device, groups)))
+            **({} if functions is None else functions.keywords(array, device, groups)))
         out, lse = tensor(out).to(q.dtype), tensor(lse).to(torch.float32)
         if ready is not None:
             plan, used = _plans.forward(*arrays, causal, _window(window_left, window_right), scale, None,
@@ -248,12 +248,12 @@ def _plain(alibi_slopes, sinks, bias, dropout_p) -> bool:
 def _layout(t):
     """A tensor's part of a launch-ready signature: what a plan depends on (and what its checks
     read: a tensor of another dtype must not find the plan)."""
-    return t.dtype, t.device.index, t.shape, t.stride(), t.data_ptr() % 16 == 0
+    return t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr() % 16 == 0
 
 
 def _typed(*values):
     """Keywords as a signature holds them: with their types, as the checks see them (1 is not True)."""
-    return tuple((type(x), x) for x in values)
+    return tuple(zip(map(type, values), values))
 
 
 def _window(left, right):
@@ -279,9 +279,9 @@ def _launchable(device) -> bool:
     return device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
 
 
-def _run_forward(plan, q, k, v):
+def _run_forward(plan, device, q, k, v):
     """out and lse of a launch-ready forward in cuflash's layout."""
-    device, stream = q.device, _current_stream(q.device)
+    stream = _current_stream(device)
     out = torch.empty(plan.shapes[0], dtype=q.dtype, device=device)
     lse = torch.empty(plan.shapes[1], dtype=torch.float32, device=device)
     counter = (_launch.tile_counter(_checks.require_cupy(), device.index, stream) if plan.launches.counted
@@ -316,31 +316,34 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
                       check: bool, deterministic: Optional[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dbias (empty without bias_grad) and dsinks (empty without sinks): an op's outputs
     cannot be None."""
-    return _attention_backward(None, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal, window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad,
-                               dropout_p, seed, groups, check, deterministic)
+    *grads, dbias, dsinks = _attention_backward(None, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, causal, window_left, window_right, scale, softcap,
+                                                alibi_slopes, sinks, bias, bias_grad, dropout_p, seed, groups, check,
+                                                deterministic)
+    return *grads, _or_empty(dbias, q), _or_empty(dsinks, q)
 
 
 def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal, window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad,
                         dropout_p, seed, groups, check, deterministic):
-    """The backward op's work, with the call's score and mask functions (`_Functions`) or None."""
-    packed = cu_seqlens_q is not None
-    _refuse_capture(q.device, dropout_p)
+    """The backward op's work, with the call's score and mask functions (`_Functions`) or None:
+    dq, dk, dv, dbias and dsinks, None where there is none."""
+    packed, device = cu_seqlens_q is not None, q.device
+    _refuse_capture(device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
     if deterministic is None:   # not given: torch's switch, read when the backward runs, as torch's kernels do
         deterministic = torch.are_deterministic_algorithms_enabled()
     dout_k, out_k, lse_k = _kernel_rows(dout, packed, groups), _kernel_rows(out, packed, groups), _kernel_lse(lse, groups)
     ready = None
-    if functions is None and q.device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
+    if functions is None and device.type == "cuda" and not packed and _plain(alibi_slopes, sinks, bias, dropout_p):
         ready = ("bwd", bool(deterministic), *map(_layout, (dout_k, qk, kk, vk, out_k, lse_k)),
                  *_typed(causal, window_left, window_right, scale, softcap))
         plan = _READY.get(ready)
-        if plan is not None and _launchable(q.device):
-            dq, dk, dv = _run_backward(plan, dout_k, qk, kk, vk, out_k, lse_k)
+        if plan is not None and _launchable(device):
+            dq, dk, dv = _run_backward(plan, device, dout_k, qk, kk, vk, out_k, lse_k)
             return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
-                    _caller_rows(dv, packed, groups, grouped=False), _or_empty(None, q), _or_empty(None, q))
-    fns, array, tensor, stream = _backend(q.device)
+                    _caller_rows(dv, packed, groups, grouped=False), None, None)
+    fns, array, tensor, stream = _backend(device)
     with stream:
         arrays = tuple(map(array, (dout_k, qk, kk, vk, out_k, lse_k)))
         grads = fns.attention_backward(
@@ -348,7 +351,7 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
             bias_grad=bias_grad, **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                              window_left, window_right, scale, softcap, alibi_slopes, sinks, bias,
                                              dropout_p, seed, groups, check),
-            **({} if functions is None else functions.keywords(array, q.device, groups)))
+            **({} if functions is None else functions.keywords(array, device, groups)))
         if ready is not None:
             plan, used = _plans.backward(*arrays, causal, _window(window_left, window_right), scale, None,
                                          bool(deterministic), _api._mods(softcap, None, None))
@@ -360,7 +363,7 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
         dbias = tensor(grads.pop(0)).to(bias.dtype).reshape(bias.shape) if _wants_dbias(bias, bias_grad) else None
         dsinks = tensor(grads.pop(0)).to(torch.float32).reshape(sinks.shape) if sinks is not None else None
     return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
-            _caller_rows(dv, packed, groups, grouped=False), _or_empty(dbias, q), _or_empty(dsinks, q))
+            _caller_rows(dv, packed, groups, grouped=False), dbias, dsinks)
 
 
 def _gradients_as_given(plan, q, k, v) -> bool:
@@ -374,10 +377,10 @@ def _gradients_as_given(plan, q, k, v) -> bool:
     return plan.shapes[1][-2:] == k.shape[-2:] and plan.shapes[2][-2:] == v.shape[-2:]
 
 
-def _run_backward(plan, dout, q, k, v, out, lse):
+def _run_backward(plan, device, dout, q, k, v, out, lse):
     """dq, dk, dv of a launch-ready backward in cuflash's layout (`_api.attention_backward`'s
     work for the plans `_gradients_as_given` takes)."""
-    device, stream = q.device, _current_stream(q.device)
+    stream = _current_stream(device)
     dq, dk, dv = (torch.empty(shape, dtype=q.dtype, device=device) for shape in plan.shapes[:3])
     delta = torch.empty(plan.shapes[3], dtype=torch.float32, device=device)
     sums = None if plan.launches.dq_sums is None else torch.zeros(plan.shapes[0], dtype=torch.float32, device=device)
@@ -433,34 +436,40 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 _FWD_INPUTS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal", "window_left",
                "window_right", "scale", "softcap", "alibi_slopes", "sinks", "bias", "dropout_p", "seed", "groups",
                "check", "deterministic")
-# the tensors the backward keeps beside q, k, v, out and lse (the seed: dropout's mask made again)
-_SAVED = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", "bias", "seed")
 
 
 def _setup_context(ctx, inputs, output):
-    args = dict(zip(_FWD_INPUTS, inputs))
+    # (unpacked by position rather than through dicts of names: this runs on every eager call)
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
+     softcap, alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, *(args[name] for name in _SAVED))
-    ctx.args = {name: args[name] for name in _FWD_INPUTS[3:] if name not in _SAVED}
+    # the tensors the backward reads (the seed: dropout's mask made again), then the other inputs
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, bias, seed)
+    ctx.args = (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, softcap, dropout_p, groups, check,
+                deterministic)
 
 
-def _backward(ctx, dout, _dlse, backward_kernels=_attention_bwd):
-    """The gradients of _FWD_INPUTS (the op's autograd formula; in eager mode _Attention's, which
-    calls the op's function itself)."""
-    q, k, v, out, lse, *saved = ctx.saved_tensors
-    args = {**ctx.args, **dict(zip(_SAVED, saved))}
+def _gradients(ctx, dout, bias_grad, backward_kernels):
+    """dq, dk, dv, dsinks and dbias (None where there is none) of the forward `_setup_context` saw,
+    by ``backward_kernels`` (the backward op, or its function)."""
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, bias, seed = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, softcap, dropout_p, groups, check,
+     deterministic) = ctx.args
+    dq, dk, dv, dbias, dsinks = backward_kernels(
+        dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad, dropout_p, seed, groups,
+        check, deterministic)
+    return dq, dk, dv, None if sinks is None else dsinks, dbias if _wants_dbias(bias, bias_grad) else None
+
+
+def _backward(ctx, dout, _dlse):
+    """The gradients of _FWD_INPUTS: the op's autograd formula."""
     # dbias only where the bias requires grad (as SDPA's float attn_mask): it costs O(Nq * Nk)
-    args["bias_grad"] = ctx.needs_input_grad[_FWD_INPUTS.index("bias")]
-    dq, dk, dv, dbias, dsinks = backward_kernels(dout.contiguous(), q, k, v, out, lse,
-                                                 *(args[name] for name in _BWD_ARGS))
-    grads = dict(q=dq, k=dk, v=dv, bias=dbias if _wants_dbias(args["bias"], args["bias_grad"]) else None,
-                 sinks=None if args["sinks"] is None else dsinks)
+    dq, dk, dv, dsinks, dbias = _gradients(ctx, dout, ctx.needs_input_grad[_FWD_INPUTS.index("bias")],
+                                           _attention_bwd)
+    grads = dict(q=dq, k=dk, v=dv, sinks=dsinks, bias=dbias)
     return tuple(grads.get(name) for name in _FWD_INPUTS)
-
-
-# the backward op's arguments after dout, q, k, v, out and lse
-_BWD_ARGS = (*_FWD_INPUTS[3:15], "bias_grad", *_FWD_INPUTS[15:])
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -469,22 +478,27 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _Attention(torch.autograd.Function):
     """The op's autograd in eager mode, around the op's own functions: the dispatcher's Python
     round trip for a custom op with an autograd formula costs about 100 us a call, this about 4.
-    torch.compile and fake tensors take the op (`_eager`). The last input: the call's score and
-    mask functions (`_Functions`), which the op cannot take, or None, after the op's inputs (whose
-    places `needs_input_grad` keeps)."""
+    torch.compile and fake tensors take the op (`_eager`). Its inputs: the op's floating tensors
+    (those that may require grad, as the op's autograd sees them), then all the op's inputs as one
+    tuple (fewer inputs for autograd to walk, every call), and the call's score and mask functions
+    (`_Functions`), which the op cannot take, or None."""
 
     @staticmethod
-    def forward(ctx, *inputs_and_functions):
-        *inputs, functions = inputs_and_functions
+    def forward(ctx, q, k, v, alibi_slopes, sinks, bias, inputs, functions):
         output = _attention_forward(functions, *inputs)
         _setup_context(ctx, inputs, output)
         ctx.functions = functions
+        # lse's gradient (it has none) not made as zeros on every backward: an allocation and a fill
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, _dlse):
+        if dout is None:   # (no gradient reached out: none flows back)
+            return (None,) * 8
         kernels = functools.partial(_attention_backward, ctx.functions)
-        return (*_backward(ctx, dout, dlse, backward_kernels=kernels), None)
+        dq, dk, dv, dsinks, dbias = _gradients(ctx, dout, ctx.needs_input_grad[5], kernels)
+        return dq, dk, dv, None, dsinks, dbias, None, None
 
 
 class _Functions:
@@ -651,7 +665,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right, scale, softcap,
               alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
     if _eager(q):
-        out, lse = _Attention.apply(*inputs, functions)
+        out, lse = _Attention.apply(q, k, v, alibi_slopes, sinks, bias, inputs, functions)
     elif functions is None:
         out, lse = _attention_fwd(*inputs)
     else:
@@ -687,6 +701,8 @@ def _check_bias(bias, q, k, v, packed, groups):
 def _seed(dropout_p, seed):
     """(dropout_p, seed as the ops take it): the seed a CPU int64 tensor (its value mod 2**64), drawn
     from torch's default generator where dropout needs one and none is given; None without dropout."""
+    if seed is None and type(dropout_p) is float and dropout_p == 0.0:   # no dropout: nothing to check
+        return 0.0, None
     dropout_p = _checks.check_dropout_p(dropout_p)
     if seed is not None:
         _, seed = _checks.check_dropout(dropout_p, seed)

@@ -311,6 +311,38 @@ def test_cpu_dbias_only_where_the_bias_requires_grad(backward_keywords, requires
     assert (bias.grad is not None) == requires_grad and q.grad is not None
 
 
+class _NoGradient(torch.autograd.Function):
+    """The identity, whose backward gives no gradient (None) to its input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_cpu_no_gradient_into_out_gives_none_as_sdpa(backward_keywords):
+    """A backward that reaches out with no gradient (an undefined one, not zeros) gives q, k, v
+    none, as SDPA's does, and runs no kernel."""
+    for attention in (ct.attention, F.scaled_dot_product_attention):
+        q, k, v = qkv(1, 2, 2, 8, 8, 16, grad=True)
+        (_NoGradient.apply(attention(q, k, v)).sum() + (q * 0).sum()).backward()
+        assert q.grad is not None and not q.grad.any() and k.grad is None and v.grad is None, attention
+    assert backward_keywords == []
+
+
+def test_cpu_alibi_slopes_requiring_grad_get_none():
+    """Slopes that require grad make out require grad, as the op's autograd does, and get none."""
+    q, k, v = qkv(1, 2, 2, 8, 8, 16)
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    out = ct.attention(q, k, v, alibi_slopes=slopes)
+    assert out.requires_grad
+    out.sum().backward()
+    assert slopes.grad is None
+
+
 def keep_mask(seed, n, nq, nk, p):
     """cuflash.reference.dropout_keep for batch entries n (an array), rows 0 .. nq - 1 and keys
     0 .. nk - 1, as a bool tensor of shape n.shape + (nq, nk)."""
