@@ -84,8 +84,8 @@ CUFLASH_MOD_FN float cf_bits(unsigned int u) {
 #endif
 }
 // exp, log, tanh and division: the hardware's approximate forms in kernels of 16-bit inputs
-// (CUFLASH_USER_FAST, defined for them: errors of 2^-21 to 2^-11, below those inputs' rounding),
-// the library's elsewhere (float32 kernels, the host).
+// (CUFLASH_USER_FAST, defined for them, as the built-in softcap's tanh.approx there), the
+// library's elsewhere (float32 kernels, the host).
 CUFLASH_MOD_FN float cf_exp(float x) {
 #if defined(__CUDA_ARCH__) && defined(CUFLASH_USER_FAST)
     return __expf(x);
