@@ -121,8 +121,13 @@ def _function(name: str, smem: int, x, user: bool):
 def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, source) -> None:
     """Starts compiling the dk/dv and dq kernels of a backward with the generated functions
     ``source`` on other threads (`_compile.compile_soon`), the names `backward_launches` takes."""
-    tiles = bwd_tiles(dtype_name, head_dim_bucket(d, dv), FULL, packed)
-    _compile.compile_soon([user_name(n) for n in bwd_names(dtype_name, tiles, packed, FULL)[1:]], source)
+    head_dim = head_dim_bucket(d, dv)
+    sm90 = sm90_bwd_tiles(dtype_name, head_dim, scores=FULL, packed=packed) if _compile.current_arch() == "sm_90a" else None
+    if sm90 is not None:   # (FULL's Hopper tiles depend on neither the queries nor determinism)
+        names = sm90_bwd_names(dtype_name, sm90, packed, FULL)
+    else:
+        names = bwd_names(dtype_name, bwd_tiles(dtype_name, head_dim, FULL, packed), packed, FULL)[1:]
+    _compile.compile_soon([user_name(n) for n in names], source)
 
 
 def forward_launches(x) -> Launches:
@@ -210,7 +215,7 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     in_order = deterministic or not _dq_in_any_order(x)
     scores, user = _scores_of(x)
     sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, in_order, scores, x.packed is not None)
-            if _compile.current_arch() == "sm_90a" and not user else None)
+            if _compile.current_arch() == "sm_90a" else None)
     if sm90 is not None:
         dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None, scores)
         dq_res, dkdv_res = sm90.dq_resident, sm90.dkdv_resident

@@ -420,10 +420,19 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
     dq up too (no dq pass); elsewhere the same tiles. The modified scores' kernels (``scores``)
     step over 64 keys in the dq pass at 64 and run dk/dv without a loading warpgroup at 128,
     over 32 keys a step with packed sequences (the others spilled 4-24 bytes beside softcap's
-    gradient)."""
+    gradient). The FULL ones (a bias, dropout, a call's own functions) run both passes without a
+    loading warpgroup on two stages, at head dims 64 and 128 only: they skip the steps a block mask
+    leaves empty, which a gradient product carried into the next step (three stages) would not
+    survive."""
     modified = scores == MODIFIED
-    if dtype_name == "float32" or head_dim % 64 or head_dim == 192 or scores == FULL:
+    if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
+    if scores == FULL:
+        if head_dim == 256:
+            return None
+        if head_dim == 64:
+            return Sm90BwdTiles(64, step=64, warpgroups=1, stages=2, min_blocks=2)
+        return Sm90BwdTiles(128, step=32, warpgroups=2, stages=2)   # (steps of 64 spilled 56 bytes, packed)
     if head_dim == 256:
         return Sm90BwdTiles(256, step=32, warpgroups=2, stages=3, wide_dkdv=True)
     adds_dq = not deterministic and queries >= SM90_WS_BWD_MIN_QUERIES_D64

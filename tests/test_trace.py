@@ -764,7 +764,7 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
     kernels' fast math, _codegen.PREAMBLE's CUFLASH_USER_FAST), dense and
     packed, with no warning, the forwards with no spill (the portable one, and on sm_90a the
     one with a loading warpgroup at head dims 64 and 128, through tensor maps and not), the
-    backward with at most 16 bytes (head dim 64)."""
+    backwards (portable, and on sm_90a the Hopper passes at 64 and 128) with at most 16 bytes."""
     import json
 
     from cuflash import _tiles
@@ -785,6 +785,8 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
                 ws = _tiles.sm90_ws_fwd_tiles(dtype, head_dim, scores=_tiles.FULL)
                 loaders = [ws.without_maps()] + ([] if packed else [dataclasses.replace(ws, tma=True)])
                 names += [_tiles.user_name(_tiles.sm90_ws_fwd_name(dtype, t, packed, _tiles.FULL)) for t in loaders]
+                hopper_bwd = _tiles.sm90_bwd_tiles(dtype, head_dim, scores=_tiles.FULL, packed=packed)
+                names += [_tiles.user_name(n) for n in _tiles.sm90_bwd_names(dtype, hopper_bwd, packed, _tiles.FULL)]
     job = {"source": _compile.user_kernel_source(_codegen.user_mods_source(score, mask), fast=True), "names": names,
            "options": list(_compile.nvrtc_options(arch))}
     result = subprocess.run([python, "-c", NVRTC_NAMED_SCRIPT], input=json.dumps(job), capture_output=True, text=True)

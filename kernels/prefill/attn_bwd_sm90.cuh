@@ -80,6 +80,21 @@ struct QueryRowStats {
     }
 };
 
+// p^T as the dv product's A fragments through dropout's mask: dropped 0, kept scaled (KeepMask);
+// p^T itself without dropout (NoDrop)
+template <class T, int S_TILES>
+__device__ __forceinline__ void dropped_a_fragments(u32 (&pa)[S_TILES / 2][4], const float (&pt)[1][S_TILES][4],
+                                                    NoDrop) {
+    to_a_fragments<T>(pa, pt);
+}
+template <class T, int S_TILES, int TILES>
+__device__ __forceinline__ void dropped_a_fragments(u32 (&pa)[S_TILES / 2][4], const float (&pt)[1][S_TILES][4],
+                                                    const KeepMask<TILES>& kept) {
+    float dropped[1][S_TILES][4];
+    for_each_element<1, S_TILES>([&](int, int nt, int e) { dropped[0][nt][e] = kept(0, nt, e, pt[0][nt][e]); });
+    to_a_fragments<T>(pa, dropped);
+}
+
 template <class T, int HEAD_DIM, int STEP, int WARPGROUPS, int STAGES, int MIN_BLOCKS, bool PACKED, class Scores>
 __global__ void __launch_bounds__(WARPGROUPS * 128, MIN_BLOCKS)
 attn_bwd_dkdv_sm90(const BwdParams p) {
@@ -114,7 +129,12 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
     float* s_delta = s_lse2 + STAGES * STEP;
 
     const Band band(p, w);
-    const ScorePath<T, Scores> path(p, band, p.group_member(w.entry, 0));   // (ALiBi's passes do not group)
+    // (ALiBi's passes do not group, nor do FULL's; a bias never comes with packed sequences)
+    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, p.group_member(w.entry, 0), w);
+    using Factors = ScoreFactors<Scores::USER, S_TILES>;   // (the user path's: ds's factors)
+    // (FULL skips the steps a block mask leaves empty: a gradient product carried into the next
+    // step would read a stage refilled meanwhile)
+    static_assert(!(Scores::FULL && Cfg::OVERLAP), "the FULL path runs without OVERLAP");
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     const QuerySteps<STEP> steps = query_steps<STEP>(p, w, band, n0, n_end);
 
@@ -160,6 +180,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dk[0], dsa, q_tile);
     };
     int mb = steps.mb_begin;   // the query block of step j
+    BlockWalk<Scores::USER> walk;
     for (int j = 0; j < steps.count; ++j) {
         const int stage = int(u32(j) % STAGES);
         cp_async_wait<Cfg::AHEAD - 1>();
@@ -171,7 +192,16 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         const float* lse2 = s_lse2 + stage * STEP;
         const float* delta = s_delta + stage * STEP;
         const int m0 = mb * STEP;
+        // a step the call's block mask leaves empty is skipped (uniform over the block; its loads
+        // are not, as in attn_bwd_dkdv)
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(mb, [&](int b) {
+                return b < steps.mb_end ? path.tile(b * STEP, (b + 1) * STEP, n0, n_end) : TileKind::EMPTY;
+            });
+        }
         mb = steps.next_block(mb);
+        if (kind == TileKind::EMPTY) continue;
 
         // s^T = k q^T and dp^T = v dout^T (rows: this warpgroup's keys; columns: the step's queries)
         float st[1][S_TILES][4], dpt[1][S_TILES][4];
@@ -187,11 +217,14 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(st);
 
         // p^T = exp2(s^T * scale_log2 - lse2 of each query column), 0 where masked
-        path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2);
+        Factors factors;
+        path.transposed_probabilities(st, band, m0, min(m0 + STEP, nq), n0, n_end, n0 + warp_row0, scale_log2, lse2,
+                                      factors, kind);
+        const auto kept = path.template keep_mask<true, S_TILES>(n0 + warp_row0, m0);   // dropout's (FULL)
 
         if (!Cfg::OVERLAP) {
-            // dv += p^T dout, running while ds^T is formed
-            to_a_fragments<T>(pa, st);
+            // dv += p^T dout (through dropout's mask, which dp^T takes too), running while ds^T is formed
+            dropped_a_fragments<T>(pa, st, kept);
             pin_registers(acc_dv);
             pin_registers(pa);
             wgmma_fence();
@@ -202,7 +235,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
         pin_registers(dpt);
 
         // ds^T = p^T (dp^T - delta of each query column); dk += ds^T q (scaled at the end)
-        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0);
+        path.transposed_ds(dpt, st, delta, lse2, n0 + warp_row0, m0, kept, factors);
         if (Cfg::OVERLAP) {
             wgmma_wait<0>();   // the previous step's products: pa and dsa are free
             pin_registers(acc_dv);
@@ -443,7 +476,9 @@ attn_bwd_dq_sm90(const BwdParams p) {
     const u32 s_v = s_k + STAGES * STEP_BYTES;
 
     const Band band(p, w);
-    const ScorePath<T, Scores> path(p, band, w.entry);
+    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, w.entry, w);
+    using Factors = ScoreFactors<Scores::USER, S_TILES>;
+    static_assert(!(Scores::FULL && Cfg::OVERLAP), "the FULL path runs without OVERLAP (as attn_bwd_dkdv_sm90)");
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);
@@ -486,6 +521,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
         pin_registers(acc_dq);
         wgmma_regs_cols<T, STile, HEAD_DIM>(acc_dq[0], dsa, k_tile);
     };
+    BlockWalk<Scores::USER> walk;
     for (int nb = nb_begin; nb < nb_end; ++nb) {
         const int stage = int(u32(nb - nb_begin) % STAGES);
         cp_async_wait<Cfg::AHEAD - 1>();
@@ -495,6 +531,14 @@ attn_bwd_dq_sm90(const BwdParams p) {
         cp_async_commit();
         const u32 k_st = s_k + stage * STEP_BYTES, v_st = s_v + stage * STEP_BYTES;
         const int n0 = nb * STEP;
+        // a block the call's block mask leaves empty is skipped (uniform over the block)
+        TileKind kind = TileKind::PARTIAL;
+        if constexpr (Scores::USER) {
+            kind = walk.at(nb, [&](int b) {
+                return b < nb_end ? path.tile(m0, m_end, b * STEP, (b + 1) * STEP) : TileKind::EMPTY;
+            });
+            if (kind == TileKind::EMPTY) continue;
+        }
 
         // s = q k^T and dp = dout v^T
         float s[1][S_TILES][4], dp[1][S_TILES][4];
@@ -509,12 +553,21 @@ attn_bwd_dq_sm90(const BwdParams p) {
         pin_registers(s);
 
         // p = exp2(s * scale_log2 - lse2), while dp finishes
-        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2);
+        Factors factors;
+        path.row_probabilities(s, band, m0, m_end, n0, n0 + STEP, m0 + warp_row0, scale_log2, lse2, factors, kind);
         wgmma_wait<Cfg::OVERLAP ? 1 : 0>();
         pin_registers(dp);
 
-        // ds = p (dp - delta); dq += ds k (scaled at the end)
-        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0);
+        // ds = p (dp - delta), dp through dropout's mask (and dbias = ds before softcap's factor
+        // where asked: FULL); dq += ds k (scaled at the end)
+        const auto kept = path.template keep_mask<false, S_TILES>(m0 + warp_row0, n0);
+        if constexpr (Scores::FULL) {
+            if (p.dbias) {
+                path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept,
+                                 factors);
+            }
+        }
+        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0, kept, factors);
         if (Cfg::OVERLAP) {
             wgmma_wait<0>();   // the previous step's dq product: dsa is free
             pin_registers(acc_dq);
