@@ -443,8 +443,11 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
         queries, usually ``(Hkv, G)``); ALiBi's distance is ``|cache_seqlens[b] + Nnew - Nq + i - j|``
         for new row i and key j. Each row's sink joins its softmax once, whatever ``num_splits``.
     score_mod, mask_mod
-        Not yet on the GPU (NotImplementedError, before anything is written);
-        ``cuflash.reference.attention_kvcache`` takes them.
+        As in ``attention``, with one index per dim of q before Nq (the sequence first), then
+        the positions in the sequence: ``q_idx`` of new row i is ``cache_seqlens[b] + Nnew -
+        Nq + i`` (the new rows are the sequence's last), ``kv_idx`` the key's place in it, so
+        that ``q_idx >= kv_idx`` is causal. Compiled into the decoding kernel (a mask function
+        is evaluated at every key: the cache takes no block mask).
 
     Returns
     -------
@@ -456,15 +459,16 @@ def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seql
     --------
     cuflash.reference.attention_kvcache : the NumPy float64 version.
     """
-    if score_mod is not None or mask_mod is not None:
-        raise NotImplementedError("cuflash.attention_kvcache does not take score_mod or mask_mod yet "
-                                  "(cuflash.reference.attention_kvcache does)")
     mods = _mods(softcap, alibi_slopes, sinks)
+    user = _user.trace(score_mod, mask_mod, getattr(q, "ndim", 2) - 2)
     plan, (q_, k_, v_, seqlens, table, k_new_, v_new_) = _plans.kvcache(
-        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check, mods)
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check, mods,
+        user)
     cupy = _checks.require_cupy()
     with _on_device(cupy, plan.device):
-        entries = _per_entry(cupy, mods, plan.launches.out_shape[:-2])
+        batch_shape = plan.launches.out_shape[:-2]
+        entries = _per_entry(cupy, mods, batch_shape)
+        user_args = None if user is None else _user.arguments(cupy, user, batch_shape, plan.device)
         out, lse = plan.launches.run(cupy, plan.device, q_.dtype, return_lse, q_, k_, v_, seqlens, table, k_new_,
-                                     v_new_, *entries)
+                                     v_new_, *entries, user_args)
     return (out, lse) if return_lse else out

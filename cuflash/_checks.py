@@ -827,7 +827,7 @@ class KVCacheInputs:
     dtype_name: str
     out_shape: tuple          # (B, ..., Nq, Dv)
     mods: object = None       # the score modifiers (_mods.ScoreMods), per query head of (B, ...)
-    user = None               # (no score or mask functions on the cache: _dispatch.score_path)
+    user: object = None       # the call's score and mask functions (_user.UserMods), None: none
 
 
 def check_num_splits(num_splits) -> int | None:

@@ -334,8 +334,8 @@ def kvcache_launches(x) -> KVCacheLaunches:
         raise ValueError(f"attention_kvcache does not take {x.dtype_name} with head dims above 128 "
                          f"(D = {x.d}, Dv = {x.dv}); use float16 or bfloat16")
     row_groups = -(-rows // tiles.block_rows)
-    scores = score_path(x)
-    decode = _compile.get_function(tiles.name(x.dtype_name, head_dim, scores=scores), smem)
+    scores, user = _scores_of(x)
+    decode = _function(tiles.name(x.dtype_name, head_dim, scores=scores), smem, x, user)
     blocks = x.batch * x.entries * row_groups
     hopper = _compile.current_arch() == "sm_90a"
     alone = tiles.streams_alone(head_dim, itemsize)
@@ -348,14 +348,14 @@ def kvcache_launches(x) -> KVCacheLaunches:
     pad = alone or (x.block_table is not None and tiles.block_rows == 16)
     cluster_smem = one_per_sm_smem(smem) if hopper and pad else smem
     if cluster_smem > smem:
-        _compile.get_function(tiles.name(x.dtype_name, head_dim, scores=scores), cluster_smem)
+        _function(tiles.name(x.dtype_name, head_dim, scores=scores), cluster_smem, x, user)
     # (pages read run by run pack two blocks per SM, and splits of two 64-key blocks there
     # spend more on their fixed costs than the model counts: docs/design.md, "KV cache and decoding")
     min_keys = DECODE_RUNS_MIN_SPLIT_KEYS if tiles.layout == KEY_RUNS else 0
 
     def kernel(two_level):   # (several clusters per row group: the kernel of two-level merges)
-        return (_compile.get_function(tiles.name(x.dtype_name, head_dim, two_level, scores), cluster_smem) if two_level
-                else decode)
+        return _function(tiles.name(x.dtype_name, head_dim, two_level, scores), cluster_smem, x, user) if two_level \
+            else decode
 
     def clusters(c, two_level):   # (Hopper: blocks at once in clusters of c splits of a row group, merged on chip)
         return cluster_slots(kernel(two_level), 128, cluster_smem, c)

@@ -276,9 +276,10 @@ class KVCacheLaunches:
     parts: tuple[int, int, int, int] | None   # (parts per row, rows, dv, counters)
 
     def run(self, cupy, device, dtype, return_lse, q, k, v, seqlens, block_table, k_new, v_new, alibi_slopes=None,
-            sinks=None):
+            sinks=None, user_args=None):
         """(out, lse) of a call on ``device`` (current); lse None without ``return_lse``;
-        ``alibi_slopes`` and ``sinks`` one float32 per query head, contiguous (or None)."""
+        ``alibi_slopes`` and ``sinks`` one float32 per query head, contiguous (or None);
+        ``user_args`` the call's score and mask functions' arguments (_user.arguments), or None."""
         out = cupy.empty(self.out_shape, dtype=dtype)
         if return_lse:
             lse = lse_ptr = cupy.empty(self.out_shape[:-1], dtype=cupy.float32)
@@ -291,7 +292,7 @@ class KVCacheLaunches:
             counts, part_out = split_workspace(cupy, device, stream, 4 * counters, parts * rows * (dv + 1) * 4)
             part_lse = part_out + parts * rows * dv * 4
         arrays = (q, k, v, out, lse_ptr, seqlens, block_table, part_out, part_lse, counts, k_new, v_new, alibi_slopes,
-                  sinks)
+                  sinks, user_args)
         for launch in self.runs:
             launch.run(arrays, stream)
         return out, lse

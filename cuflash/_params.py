@@ -77,7 +77,7 @@ SCHEDULE_THREADS = 1024
 
 # kernels/decode/decode.cuh: DecodeParams, field for field (pointers first).
 DECODE_POINTERS = ("q", "k", "v", "out", "lse", "seqlens", "block_table", "part_out", "part_lse", "split_counts", "k_new", "v_new",
-                   "alibi_slopes", "sinks")
+                   "alibi_slopes", "sinks", "user_args")
 DECODE_PARAMS_DTYPE = np.dtype(
     [(name, np.uint64) for name in DECODE_POINTERS]
     + [(name, np.int64) for name in (

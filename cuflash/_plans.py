@@ -126,10 +126,14 @@ def _with_user(x, user):
     than 0 (they keep scores in raw units, 1 / scale of the functions')."""
     if user is None:
         return x
-    if x.scale == 0:
+    _check_user_scale(x.scale)
+    return dataclasses.replace(x, user=user, group=None)
+
+
+def _check_user_scale(scale: float) -> None:
+    if scale == 0:
         raise NotImplementedError("cuflash's kernels take score_mod and mask_mod with a scale other than 0, got "
                                   "scale=0 (cuflash.reference takes it)")
-    return dataclasses.replace(x, user=user, group=None)
 
 
 def forward(q, k, v, causal, window, scale, packed=None, mods=None, user=None):
@@ -220,13 +224,14 @@ def _kvcache_signature(arrays, cache_seqlens, device_lengths, block_table, causa
 
 
 def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale, num_splits, check,
-            mods=None):
+            mods=None, user=None):
     """(plan, (q, k, v, seqlens, block_table, k_new, v_new) as the kernels read them) of an
     attention_kvcache call; raises as the checks do, before anything is written. ``mods``:
-    (softcap, alibi_slopes, sinks), or None."""
+    (softcap, alibi_slopes, sinks), or None; ``user``: the call's score and mask functions
+    (_user.UserMods), or None."""
     device_lengths = _device_lengths(cache_seqlens)
     key = _kvcache_signature((q, k_cache, v_cache, k_new, v_new), cache_seqlens, device_lengths, block_table, causal,
-                             window, scale, num_splits, check, mods and _mods.key(*mods))
+                             window, scale, num_splits, check, (mods and _mods.key(*mods), user and user.source.key))
     try:
         plan = _plans.get(key)
     except TypeError:   # an argument that cannot be part of a key: the checks say what is wrong with it
@@ -238,6 +243,9 @@ def kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causa
                                scale, num_splits, check)
     if mods is not None:   # (one slope and sink per query head: q's dims before Nq)
         x.mods = _mods.check(cupy, *mods[:3], x.out_shape[:-2], q.device.id, x.scale)
+    if user is not None:   # (each row's functions see its own query head: no grouping to undo)
+        _check_user_scale(x.scale)
+        x.user = user
     with cupy.cuda.Device(q.device.id):
         plan = KVCachePlan(q.device.id, _dispatch.kvcache_launches(x))
     arrays = (x.q, x.k, x.v, x.seqlens, x.block_table, x.k_new, x.v_new)

@@ -6,7 +6,8 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import GPU_MISSING, assert_close_to_reference, assert_lse_close, poisoned_allocations, random_array, requires_gpu
+from conftest import (GPU_MISSING, assert_close_to_reference, assert_lse_close, eps, poisoned_allocations, random_array,
+                      requires_gpu)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -450,8 +451,8 @@ def test_kvcache_sinks_on_sequences_with_no_key():
 @pytest.mark.parametrize("bad, error", [
     (dict(softcap=-1.0), ValueError), (dict(softcap=float("nan")), ValueError), (dict(softcap="1"), TypeError),
     (dict(alibi_slopes="float64"), TypeError), (dict(alibi_slopes=(5,)), ValueError), (dict(sinks=(3, 2, 1)), ValueError),
-    (dict(sinks="numpy"), TypeError), (dict(score_mod="a function"), NotImplementedError),
-    (dict(mask_mod="a function"), NotImplementedError),
+    (dict(sinks="numpy"), TypeError), (dict(score_mod="too few indices"), TypeError),
+    (dict(mask_mod="a NumPy table"), TypeError),
 ])
 def test_kvcache_bad_modifiers_raise_before_any_launch(monkeypatch, bad, error):
     """Checked as attention checks them, against q's dims before Nq, (B, Hkv, G) = (2, 2, 4),
@@ -464,8 +465,9 @@ def test_kvcache_bad_modifiers_raise_before_any_launch(monkeypatch, bad, error):
     kn, vn = (random_array(rng, (2, 2, 1, 1, 64), "float16") for _ in range(2))
     before = cupy.asnumpy(k)
     name, value = next(iter(bad.items()))
-    if name.endswith("_mod"):   # (not yet on the GPU: refused, the reference takes them)
-        value = (lambda s, b, h, g, i, j: s) if name == "score_mod" else (lambda b, h, g, i, j: i >= j)
+    if name.endswith("_mod"):   # (q's dims before Nq are three: five indices; tables on the GPU)
+        table = np.ones(8, dtype=np.float32)
+        value = (lambda s, b, h, i, j: s) if name == "score_mod" else (lambda b, h, g, i, j: table[j % 8] > 0)
     elif name != "softcap":
         value = {"float64": cupy.ones(4, dtype=cupy.float64), "numpy": np.ones(4, dtype=np.float32)}.get(
             value, cupy.ones(value, dtype=cupy.float32) if isinstance(value, tuple) else value)
@@ -477,3 +479,98 @@ def test_kvcache_bad_modifiers_raise_before_any_launch(monkeypatch, bad, error):
     with pytest.raises(error, match=name):
         cuflash.attention_kvcache(q, k, v, k_new=kn, v_new=vn, cache_seqlens=3, **{name: value})
     assert np.array_equal(cupy.asnumpy(k), before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Score and mask functions on the cache
+# ---------------------------------------------------------------------------------------------
+
+
+def _cache_functions(kind, rng, batch, hkv, group):
+    """(score_mod, mask_mod) on the GPU and on the host, over q's dims (B, Hkv, G): "table", a
+    relative-position table per query head under a tanh cap and a mask of each sequence's first
+    visible key (past its keys for one sequence: rows with no key) and a band of 96; "builtin",
+    ALiBi and causal written as functions (with the keywords' result to meet)."""
+    if kind == "builtin":
+        slopes = rng.uniform(0.05, 0.5, (hkv, group)).astype(np.float32)
+        tables = (slopes,)
+
+        def make(slopes):
+            return (lambda s, b, h, g, i, j: s - slopes[h, g] * cuflash.abs(i - j)), (lambda b, h, g, i, j: i >= j)
+    else:
+        rel = (rng.standard_normal((hkv, group, 64)) * 2).astype(np.float32)
+        first = rng.integers(0, 120, batch).astype(np.int32)
+        first[-1] = 10**6
+        tables = (rel, first)
+
+        def make(rel, first):
+            return ((lambda s, b, h, g, i, j: 12.0 * cuflash.tanh((s + rel[h, g, (i - j) % 64]) / 12.0)),
+                    (lambda b, h, g, i, j: (j >= first[b]) & (i - j < 96)))
+    return make(*(cupy.asarray(t) for t in tables)), make(*tables), tables
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
+@pytest.mark.parametrize("kind", ("table", "builtin"))
+@pytest.mark.parametrize("layout", ("contiguous", "paged"))
+@pytest.mark.parametrize("num_splits", (1, 3))
+@pytest.mark.parametrize("group, nq", ((4, 3), (8, 5)))
+def test_kvcache_functions_against_reference(dtype, kind, layout, num_splits, group, nq):
+    """score_mod and mask_mod in the decoding kernel against the reference running the same
+    functions, within twice the plain call's error: each row's functions see its own query head
+    (G 8 x Nq 5 = 40 rows: 32-row tiles whose rows wrap past Nq and span heads) and q_idx from
+    the sequence's length, with ragged lengths, an empty cache, appends, pages of 16 and 7 rows,
+    splits, sinks; ALiBi and causal as functions also meet the keywords' GPU result."""
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, kind, layout, num_splits, group, nq)).encode()))
+    batch, hkv, d = 3, 2, 64
+    (score_gpu, mask_gpu), (score_host, mask_host), tables = _cache_functions(kind, rng, batch, hkv, group)
+    sinks = rng.normal(0, 1, (hkv, group)).astype(np.float32)
+    for page_size, n_new, lengths in ((16, 2, [150, 0, 301]), (7, 0, [64, 33, 290])):
+        lengths = np.asarray(lengths)
+        q, k, v, (k_new, v_new), table = _cache_problem(rng, dtype, batch, hkv, group, nq, d, d, layout == "paged",
+                                                        page_size, lengths.tolist(), n_new)
+        host = {name: None if x is None else cupy.asnumpy(x) for name, x in
+                (("q", q), ("k", k), ("v", v), ("k_new", k_new), ("v_new", v_new))}
+        common = dict(cache_seqlens=lengths, block_table=table, return_lse=True)
+        want, want_lse = reference.attention_kvcache(host["q"], host["k"].copy(), host["v"].copy(),
+                                                     k_new=host["k_new"], v_new=host["v_new"], sinks=sinks,
+                                                     score_mod=score_host, mask_mod=mask_host, **common)
+        plain_want = reference.attention_kvcache(host["q"], host["k"].copy(), host["v"].copy(), k_new=host["k_new"],
+                                                 v_new=host["v_new"], sinks=sinks, **common)[0]
+        gpu = dict(cache_seqlens=cupy.asarray(lengths, dtype=cupy.int32),
+                   block_table=None if table is None else cupy.asarray(table), num_splits=num_splits,
+                   sinks=cupy.asarray(sinks), return_lse=True)
+        k2, v2 = k.copy(), v.copy()
+        plain = cuflash.attention_kvcache(q, k2, v2, k_new=k_new, v_new=v_new, **gpu)[0]
+        with poisoned_allocations():
+            out, lse = cuflash.attention_kvcache(q, k, v, k_new=k_new, v_new=v_new, score_mod=score_gpu,
+                                                 mask_mod=mask_gpu, **gpu)
+        assert np.array_equal(cupy.asnumpy(k), cupy.asnumpy(k2)) and np.array_equal(cupy.asnumpy(v), cupy.asnumpy(v2))
+        out = cupy.asnumpy(out).astype(np.float64)
+        plain_err = np.abs(cupy.asnumpy(plain).astype(np.float64) - plain_want).max()
+        err = np.abs(out - want).max()
+        atol = 4 * eps(dtype) * max(1.0, np.abs(want).max())
+        assert err <= 2 * plain_err + atol, f"out: error {err:.3g} > 2 x plain {plain_err:.3g} + {atol:.3g}"
+        assert_lse_close(cupy.asnumpy(lse), want_lse)
+        if kind == "builtin":   # (the keywords' call: the append again writes the same keys)
+            keywords = cuflash.attention_kvcache(q, k2, v2, k_new=k_new, v_new=v_new, alibi_slopes=cupy.asarray(tables[0]),
+                                                 causal=True, **gpu)[0]
+            gap = np.abs(out - cupy.asnumpy(keywords).astype(np.float64)).max()
+            assert gap <= 2 * plain_err + atol, f"against the keywords: {gap:.3g}"
+
+
+def test_kvcache_functions_that_refuse_every_key():
+    """A mask function that refuses every key: out 0 and lse -inf (with sinks, out 0 and lse the
+    sink), split or not."""
+    rng = np.random.default_rng(41)
+    q = random_array(rng, (2, 2, 3, 2, 64), "bfloat16")
+    k, v = (random_array(rng, (2, 2, 1, 96, 64), "bfloat16") for _ in range(2))
+    z = rng.normal(size=(2, 3)).astype(np.float32)
+    for num_splits in (1, 3):
+        for sinks in (None, cupy.asarray(z)):
+            with poisoned_allocations():
+                out, lse = cuflash.attention_kvcache(q, k, v, cache_seqlens=cupy.asarray([90, 17], dtype=cupy.int32),
+                                                     mask_mod=lambda b, h, g, i, j: j < -1, sinks=sinks,
+                                                     num_splits=num_splits, return_lse=True)
+            assert (cupy.asnumpy(out) == 0).all()
+            want = np.broadcast_to((z if sinks is not None else np.full((2, 3), -np.inf))[..., None], (2, 2, 3, 2))
+            np.testing.assert_allclose(cupy.asnumpy(lse), want, rtol=1e-6)

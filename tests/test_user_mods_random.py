@@ -98,3 +98,70 @@ def test_a_generated_mask_with_no_key_for_any_row():
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, mask_mod=mask_mod)
     assert not cupy.asnumpy(out).any() and np.isneginf(cupy.asnumpy(lse)).all()
     assert all(not cupy.asnumpy(g).any() for g in grads)
+
+
+@settings(**SLOW)
+@given(score_tree=floats(2, smooth=True), mask_tree=bools(2, score=False), which=st.sampled_from(["score", "mask", "both"]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), d=st.sampled_from([64, 128]),
+       lengths=st.lists(st.integers(0, 200), min_size=1, max_size=3), hkv=st.integers(1, 2),
+       group=st.sampled_from([1, 4]), nq=st.integers(1, 4), n_new=st.integers(0, 2),
+       page_size=st.sampled_from([None, 16, 7]), num_splits=st.sampled_from([None, 1, 3]),
+       seed=st.integers(0, 2**31 - 1))
+def test_generated_functions_on_the_kv_cache_match_the_reference(score_tree, mask_tree, which, dtype, d, lengths, hkv,
+                                                                 group, nq, n_new, page_size, num_splits, seed):
+    """attention_kvcache with generated functions (q_idx from each sequence's length) against
+    the reference, out within twice the plain call's error and lse; ragged lengths, empty caches,
+    appends, pages, splits, grouped query heads. Scores the functions make stay under 100."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    b, h = len(lengths), hkv * group
+    nmax = max(lengths) + n_new + 5
+    q = random_array(rng, (b, h, nq, d), dtype, scale=1.5)
+    kc, vc = (random_array(rng, (b, hkv, nmax, d), dtype, scale=1.5) for _ in range(2))
+    kn, vn = (random_array(rng, (b, hkv, n_new, d), dtype) if n_new else None for _ in range(2))
+    table = None
+    if page_size is not None:   # the same rows in pages of a random order
+        pages = -(-nmax // page_size)
+        table = rng.permutation(b * pages).reshape(b, pages).astype(np.int32)
+        where = np.zeros((b * pages, page_size), dtype=np.int64)   # (page, row) -> (sequence, key) of the flat cache
+        for i in range(b):
+            for j in range(pages * page_size):
+                where[table[i, j // page_size], j % page_size] = i * nmax + min(j, nmax - 1)
+        kc, vc = (cupy.moveaxis(c.swapaxes(0, 1).reshape(hkv, b * nmax, d)[:, cupy.asarray(where)], 0, 1)
+                  for c in (kc, vc))
+    host = {name: None if x is None else cupy.asnumpy(x).astype(np.float64)
+            for name, x in (("q", q), ("k", kc), ("v", vc), ("k_new", kn), ("v_new", vn))}
+    tables_gpu = tuple(cupy.asarray(x) for x in (TABLE, IDS, FLAGS))
+    on_gpu, on_host, made = {}, {}, []
+    if which in ("score", "both"):
+        score_host = make_function(score_tree, TABLE, IDS, FLAGS)
+
+        def recorded(score, *idx):   # (the reference calls it on arrays after tracing it)
+            result = score_host(score, *idx)
+            if isinstance(score, np.ndarray):
+                made.append(np.asarray(result, dtype=np.float64))
+            return result
+
+        on_host["score_mod"] = recorded
+        on_gpu["score_mod"] = make_function(score_tree, *tables_gpu)
+    if which in ("mask", "both"):
+        on_host["mask_mod"] = make_function(mask_tree, TABLE, IDS, FLAGS, role="mask_mod")
+        on_gpu["mask_mod"] = make_function(mask_tree, *tables_gpu, role="mask_mod")
+    common = dict(cache_seqlens=np.asarray(lengths), block_table=table, return_lse=True)
+    with np.errstate(all="ignore"):
+        want, want_lse = reference.attention_kvcache(host["q"], host["k"].copy(), host["v"].copy(), k_new=host["k_new"],
+                                                     v_new=host["v_new"], **common, **on_host)
+    assume(all(np.isfinite(m).all() and (m.size == 0 or np.abs(m).max() < 100) for m in made))
+    plain_want = reference.attention_kvcache(host["q"], host["k"].copy(), host["v"].copy(), k_new=host["k_new"],
+                                             v_new=host["v_new"], **common)[0]
+    gpu = dict(k_new=kn, v_new=vn, cache_seqlens=cupy.asarray(lengths, dtype=cupy.int32), num_splits=num_splits,
+               block_table=None if table is None else cupy.asarray(table), return_lse=True)
+    plain = cuflash.attention_kvcache(q, kc.copy(), vc.copy(), **gpu)[0]
+    with poisoned_allocations():
+        out, lse = cuflash.attention_kvcache(q, kc, vc, **gpu, **on_gpu)
+    plain_err = np.abs(cupy.asnumpy(plain).astype(np.float64) - plain_want).max()
+    err = np.abs(cupy.asnumpy(out).astype(np.float64) - want).max()
+    atol = 4 * eps(dtype) * max(1.0, np.abs(want).max())
+    assert err <= 2 * plain_err + atol, f"out: error {err:.3g} > 2 x plain {plain_err:.3g} + {atol:.3g}"
+    assert_lse_close(cupy.asnumpy(lse), want_lse)

@@ -391,14 +391,22 @@ struct ScorePath {
             if constexpr (Factors::ON) {
                 f.d[nt][e] = i < nq && j < nk ? f.d[nt][e] * Scores::dscore(in, entry, qi, kj, p.user_args) : 0.f;
             }
-            const bool kept = !test || Scores::allowed(entry, qi, kj, p.user_args);
-            if constexpr (Scores::SCORE) {
-                const float x = Scores::score(in, entry, qi, kj, p.user_args);
-                s[mt][nt][e] = Score(kept ? x * p.slope_unit : -CUFLASH_INF);
-            } else if (!kept) {
-                s[mt][nt][e] = Score(-CUFLASH_INF);
-            }
+            user_step(s[mt][nt][e], in, entry, qi, kj, test);
         });
+    }
+    // The call's functions at one score, `in` in scaled units (as they take it), of row qi and
+    // key kj of entry `entry`: s becomes the score function's result in raw units, or -inf where
+    // the mask function (`test`) refuses the key; without a score function s stays as it is.
+    template <class Score>
+    __device__ __forceinline__ void user_step(Score& s, float in, u32 entry, long long qi, long long kj,
+                                              bool test) const {
+        const bool kept = !test || Scores::allowed(entry, qi, kj, p.user_args);
+        if constexpr (Scores::SCORE) {
+            const float x = Scores::score(in, entry, qi, kj, p.user_args);
+            s = Score(kept ? x * p.slope_unit : -CUFLASH_INF);
+        } else if (!kept) {
+            s = Score(-CUFLASH_INF);
+        }
     }
 
     // Whether the bias's key pairs (2t, 2t + 1) are aligned neighbours, one load each (taken
@@ -546,17 +554,29 @@ struct ScorePath {
     }
 
     // modify() for rows of several entries (the decoding kernel's: query heads of one K/V
-    // head), rows not transposed: the thread's row (mt, h) with its slope slopes[mt][h] and its
-    // query's position against the keys, i + off, at[mt][h]; keys from col0.
+    // head), rows not transposed: the thread's row (mt, h) with its slope slopes[mt][h], its
+    // query's position against the keys, i + off, at[mt][h], and (USER) its flat query entry
+    // entries[mt][h], whose functions see at[mt][h] as q_idx; keys from col0. Every element
+    // takes the mask function (the cache has no block mask).
     template <class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void modify_rows(Score (&s)[M_TILES][N_TILES][4], const float (&slopes)[M_TILES][2],
-                                                const int (&at)[M_TILES][2], int col0) const {
+                                                const int (&at)[M_TILES][2], const u32 (&entries)[M_TILES][2],
+                                                int col0) const {
         if constexpr (MODIFIED) {
             if (capped()) {
                 modify_rows_all<true>(s, slopes, at, col0);
             } else {
                 modify_rows_all<false>(s, slopes, at, col0);
             }
+        }
+        if constexpr (Scores::USER) {
+            const float scale = 1.f / p.slope_unit;
+            const int t = threadIdx.x % 4;
+            for_each_element<M_TILES, N_TILES>([&](int mt, int nt, int e) {
+                const int h = e >> 1;
+                user_step(s[mt][nt][e], float(s[mt][nt][e]) * scale, entries[mt][h], at[mt][h],
+                          col0 + nt * 8 + 2 * t + (e & 1), Scores::MASK);
+            });
         }
     }
 

@@ -33,6 +33,7 @@ struct DecodeParams {
     const void* v_new;
     const float* alibi_slopes;   // (B, E, G) or null, as AttnParams'
     const float* sinks;
+    const void* user_args;       // the call's score and mask functions' arguments (UserScores), or null
     index_t q_stride_b, q_stride_e, q_stride_row;
     index_t k_stride_b, k_stride_e, k_stride_row;   // b: a sequence's cache, or a page
     index_t v_stride_b, v_stride_e, v_stride_row;
@@ -145,8 +146,9 @@ struct DecodeTiles {
 };
 
 // grid: (B * E, splits, row groups of 16 * M_TILES): the long dim in x, which has room for it.
-// Scores: the score path (score_path.cuh); a row's sink joins the softmax of split 0 only, so
-// that the merge of the splits by logsumexp counts it once.
+// Scores: the score path (score_path.cuh: PlainScores, ModifiedScores, or UserScores with the
+// call's own functions); a row's sink joins the softmax of split 0 only, so that the merge of the
+// splits by logsumexp counts it once.
 // TWO_LEVEL: launched in several clusters per row group (Hopper), whose merged parts meet
 // through global memory. A kernel of its own: that path's code, present but not taken,
 // made the short calls merged in one cluster 0.3 us slower (docs/design.md, "KV cache and
@@ -253,11 +255,12 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
     const float scale_log2 = p.scale_log2;
     // (a ScorePath built where it is used: one held across the loop keeps the parameters'
     // address and cost the plain float32 kernels a register)
-    using Path = ScorePath<T, Scores, DecodeParams>;
-    // (modified scores) each of the thread's rows' ALiBi slope, of its query head (flat row
-    // / nq), and its query's position against the keys, row % nq + nk - nq
+    using Path = ScorePath<T, Scores, DecodeParams, false>;   // (no bias on the cache)
+    // (modified scores) each of the thread's rows' query head (flat row / nq: its entry of q's
+    // batch), its ALiBi slope, and its query's position against the keys, row % nq + nk - nq
     float slopes[M_TILES][2] = {};
     int at[M_TILES][2] = {};
+    u32 heads[M_TILES][2] = {};
     if constexpr (Scores::MODIFIED) {
         const int g = (threadIdx.x % 32) / 4;
 #pragma unroll
@@ -265,7 +268,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = min(mt * 16 + g + 8 * h, rows - 1);   // (rows past `rows` are never written)
-                slopes[mt][h] = Path(p).slope_of(u32((index_t(be) * p.rows + row0 + r) / nq));
+                heads[mt][h] = u32((index_t(be) * p.rows + row0 + r) / nq);
+                slopes[mt][h] = Path(p).slope_of(heads[mt][h]);
                 at[mt][h] = (row0 + r) % nq + off;
             }
     }
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
         mma_rows_rows<T, QTile, SubTile, HEAD_DIM, QK_UNROLL>(s, s_q, 0, s_k_warp);
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
         const int key0 = nb * BLOCK_N + warp * Tiles::WARP_KEYS, key_last = key0 + Tiles::WARP_KEYS - 1;
-        Path(p).modify_rows(s, slopes, at, key0);
+        Path(p).modify_rows(s, slopes, at, heads, key0);
         // the band per row: row r of the block is new row (row0 + r) % nq. The warp's keys
         // need it only where the split's ends or the band's edges cut them (rows past
         // `rows` read zeros from Q and are never written, masked or not).
@@ -312,8 +316,8 @@ __global__ void __launch_bounds__(DecodeTiles<BLOCK_N>::WARPS * 32, 1) attn_deco
                         if (!seen) s[mt][nt][x] = -CUFLASH_INF;
                     }
             softmax.template update_warp<true>(s, acc, scale_log2);
-        } else {
-            softmax.template update_warp<false>(s, acc, scale_log2);
+        } else {   // (a score or mask function may make -inf anywhere: USER)
+            softmax.template update_warp<Scores::USER>(s, acc, scale_log2);
         }
         mma_regs_cols<T, SubTile>(acc, s, s_v + stage * KVTile::BYTES + warp * SUB_BYTES, 0);
     }
