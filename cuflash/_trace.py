@@ -284,7 +284,18 @@ def _is_number(x) -> bool:
 
 
 def _user_function(x) -> bool:
-    return isinstance(x, types.FunctionType) and (x.__module__ or "").split(".")[0] != "cuflash"
+    """Whether a walk goes into function ``x``: the user's, or cuflash's wrapper of the user's
+    (`wrapper`); not cuflash's own (`where`, `exp`, ...), whose globals are not the user's."""
+    return isinstance(x, types.FunctionType) and ((x.__module__ or "").split(".")[0] != "cuflash" or
+                                                  getattr(x, "_cuflash_wrapper", False))
+
+
+def wrapper(fn):
+    """Marks ``fn``, a function of cuflash's that calls a user's function with other indices (the
+    torch adapter's grouped heads, the KV cache's positions), as one that a walk goes into, so that
+    a function that calls it captures what the user's captures."""
+    fn._cuflash_wrapper = True
+    return fn
 
 
 def _variables(fn):

@@ -573,9 +573,11 @@ def _grouped(fn, groups, score):
     kept = _GROUPED.get((id(fn), groups))
     if kept is None or kept[0] is not fn:
         if score:
+            @_trace.wrapper
             def grouped(s, *idx):
                 return fn(s, *idx[:-4], idx[-4] * groups + idx[-3], idx[-2], idx[-1])
         else:
+            @_trace.wrapper
             def grouped(*idx):
                 return fn(*idx[:-4], idx[-4] * groups + idx[-3], idx[-2], idx[-1])
         if len(_GROUPED) >= MAX_GROUPED:
@@ -787,25 +789,33 @@ def _kvcache_kernels(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optiona
                      causal: bool, window_left: Optional[int], window_right: Optional[int], scale: Optional[float],
                      num_splits: Optional[int], check: bool, softcap: Optional[float], alibi_slopes: Optional[Tensor],
                      sinks: Optional[Tensor], groups: int) -> tuple[Tensor, Tensor]:
+    return _kvcache_run(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_length, block_table, causal,
+                        window_left, window_right, scale, num_splits, check, softcap, alibi_slopes, sinks, groups)
+
+
+def _kvcache_run(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_length, block_table, causal, window_left,
+                 window_right, scale, num_splits, check, softcap, alibi_slopes, sinks, groups, functions=None):
+    """The op's work; ``functions`` (eager mode): the call's score and mask functions (_Functions)."""
     # k_new and v_new are written into the caches (declared mutated, as torch.compile must know)
     q_, k_, v_ = _kernel_qkv(q, k_cache, v_cache, False, groups)
     new = [x if x is None or groups == 1 else x.unsqueeze(-3) for x in (k_new, v_new)]
     window = None if window_left is None and window_right is None else (window_left, window_right)
+    keywords = {} if functions is None else functions.keywords(_backend(q.device)[1], q.device, groups)
     out, lse = _call("attention_kvcache", q.device, q_, k_, v_, k_new=new[0], v_new=new[1],
                      cache_seqlens=cache_length if cache_seqlens is None else cache_seqlens, block_table=block_table,
                      causal=causal, window=window, scale=scale, num_splits=num_splits, check=check, return_lse=True,
                      softcap=softcap, alibi_slopes=_kernel_per_head(alibi_slopes, groups),
-                     sinks=_kernel_per_head(sinks, groups))
+                     sinks=_kernel_per_head(sinks, groups), **keywords)
     return _caller_rows(out.to(q.dtype), False, groups), _caller_lse(lse.to(torch.float32), groups)
 
 
 _kvcache = torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))(_kvcache_kernels)
 
 
-def _kvcache_eager(q, k_cache, v_cache, k_new, *args):
+def _kvcache_eager(q, k_cache, v_cache, k_new, *args, functions=None):
     """_kvcache's work without the dispatcher, and its bookkeeping: the caches' version counters
     count the write, so that autograd refuses a backward through a cache read before it."""
-    result = _kvcache_kernels(q, k_cache, v_cache, k_new, *args)
+    result = _kvcache_run(q, k_cache, v_cache, k_new, *args, functions=functions)
     if k_new is not None:
         torch.autograd.graph.increment_version([x for x in (k_cache, v_cache) if not x.is_inference()])
     return result
@@ -823,19 +833,29 @@ def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_length, block_tabl
 
 def attention_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None, block_table=None,
                       causal=False, window=None, scale=None, num_splits=None, check=True, return_lse=False,
-                      enable_gqa=False, softcap=None, alibi_slopes=None, sinks=None):
+                      enable_gqa=False, softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None):
     """``cuflash.attention_kvcache`` on torch tensors in SDPA's layout: q (B, Hq, Nq, D), caches
     (B, Hkv, Nmax, D / Dv) or paged (P, Hkv, page_size, D / Dv), k_new, v_new (B, Hkv, Nnew, D / Dv),
     written into the caches in place. ``cache_seqlens`` an int or an int tensor (B,);
-    ``enable_gqa``, ``alibi_slopes`` and ``sinks`` as in ``attention``. The custom op
-    ``cuflash::attention_kvcache`` (under torch.compile), with no autograd formula."""
+    ``enable_gqa``, ``alibi_slopes`` and ``sinks`` as in ``attention``; ``score_mod`` and
+    ``mask_mod`` (eager mode only) as there, ``(score, b, h, q_idx, kv_idx)`` with positions in
+    the sequence (``cuflash.attention_kvcache``). The custom op ``cuflash::attention_kvcache``
+    (under torch.compile), with no autograd formula."""
     groups = _groups(q, k_cache, v_cache, False, enable_gqa)
     left, right = _sides(window)
     per_sequence = isinstance(cache_seqlens, Tensor)   # an op's argument is a tensor or an int, not either
-    kvcache = _eager_or(_kvcache, _kvcache_eager, q)
-    out, lse = kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens if per_sequence else None,
-                       None if per_sequence else cache_seqlens, block_table, causal, left, right, scale, num_splits,
-                       check, softcap, alibi_slopes, sinks, groups)
+    args = (q, k_cache, v_cache, k_new, v_new, cache_seqlens if per_sequence else None,
+            None if per_sequence else cache_seqlens, block_table, causal, left, right, scale, num_splits, check, softcap,
+            alibi_slopes, sinks, groups)
+    functions = _Functions.of(score_mod, mask_mod, None)
+    if _eager(q):
+        out, lse = _kvcache_eager(*args, functions=functions)
+    elif functions is None:
+        out, lse = _kvcache(*args)
+    else:
+        raise NotImplementedError("cuflash.torch.attention_kvcache takes score_mod and mask_mod in eager mode only: "
+                                  "its torch.library op (what torch.compile and fake tensors see) cannot take Python "
+                                  "functions")
     return (out, lse) if return_lse else out
 
 

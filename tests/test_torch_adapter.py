@@ -572,6 +572,36 @@ def test_cpu_kvcache_appends_and_attends_over_the_cached_keys():
                            True, None, None, None, 4))
 
 
+def test_cpu_kvcache_takes_score_and_mask_functions():
+    """score_mod and mask_mod on the cache (eager): each sequence's rows as attention over its
+    keys with the functions at positions in the sequence (q_idx from its length) and h the query
+    head under enable_gqa, reading a captured tensor; refused under torch.compile's op."""
+    b, hq, hkv, nq, nmax, d = 2, 4, 2, 2, 16, 8
+    q = make((b, hq, nq, d), seed=1)
+    k_cache, v_cache = (make((b, hkv, nmax, d), seed=s) for s in (2, 3))
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float32)
+    lengths = torch.tensor([5, 12], dtype=torch.int32)
+
+    def score_mod(s, b, h, i, j):
+        return s - slopes[h] * abs(i - j)
+
+    def mask_mod(b, h, i, j):
+        return (i >= j) & (j >= b)
+
+    out = ct.attention_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, enable_gqa=True, score_mod=score_mod,
+                               mask_mod=mask_mod)
+    for i, n in enumerate(lengths.tolist()):
+        off = n - nq
+        want = ct.attention(q[i:i + 1], k_cache[i:i + 1, :, :n], v_cache[i:i + 1, :, :n], enable_gqa=True,
+                            score_mod=lambda s, _, h, r, j: s - slopes[h] * abs(r + off - j),
+                            mask_mod=lambda _, h, r, j: (r + off >= j) & (j >= i))
+        assert (out[i:i + 1] - want).abs().max().item() <= CPU_TOL
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k_cache, v_cache))
+        with pytest.raises(NotImplementedError, match="eager mode only"):
+            ct.attention_kvcache(fq, fk, fv, cache_seqlens=5, enable_gqa=True, score_mod=score_mod)
+
+
 def test_fake_kvcache_shapes():
     with FakeTensorMode():
         q = torch.empty((3, 8, 2, 64), device="cuda", dtype=torch.float16)
@@ -884,7 +914,10 @@ def test_gpu_agrees_with_the_cpu_path(case):
 
 
 @requires_gpu
-def test_gpu_kvcache_and_merge_agree_with_the_cpu_path():
+@pytest.mark.parametrize("functions", [False, True])
+def test_gpu_kvcache_and_merge_agree_with_the_cpu_path(functions):
+    """With ``functions``, ALiBi per query head and a first visible key per sequence written as
+    score and mask functions that read tensors, in place of causal."""
     q = make((3, 8, 2, 64), seed=1)
     caches = [make((3, 2, 256, 64), seed=s) for s in (2, 3)]
     new = [make((3, 2, 2, 64), seed=s) for s in (4, 5)]
@@ -892,8 +925,14 @@ def test_gpu_kvcache_and_merge_agree_with_the_cpu_path():
 
     def run(device, dtype):
         q_, ks, vs, k_new, v_new = (x.to(device=device, dtype=dtype) for x in (q, *caches, *new))
+        mods = dict(causal=True)
+        if functions:
+            slopes = torch.linspace(0.05, 0.4, 8, dtype=torch.float32, device=device)
+            first = torch.tensor([0, 30, 200], dtype=torch.int32, device=device)
+            mods = dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * abs(i - j),
+                        mask_mod=lambda b, h, i, j: (i >= j) & (j >= first[b]))
         out, lse = ct.attention_kvcache(q_, ks, vs, k_new=k_new, v_new=v_new, cache_seqlens=lengths.to(device),
-                                        enable_gqa=True, causal=True, return_lse=True)
+                                        enable_gqa=True, return_lse=True, **mods)
         merged = ct.merge_attention([out, out], [lse, lse])
         return out, lse, *merged, ks, vs
 
