@@ -80,12 +80,15 @@ _KNOWN = {"and": masking_utils.and_masks(masking_utils.causal_mask_function).__c
           "packed": masking_utils.packed_sequence_mask_function(None).__code__}
 if hasattr(masking_utils, "sliding_window_bidirectional_overlay"):
     _KNOWN["bidirectional sliding"] = masking_utils.sliding_window_bidirectional_overlay(1).__code__
+if hasattr(masking_utils, "remap_positions_for_packed_sequence"):   # (newer transformers: packed by position ids)
+    _KNOWN["remap"] = masking_utils.remap_positions_for_packed_sequence(None, None).__code__
 
 
 class _Pattern:
     def __init__(self):
         self.left = self.right = None   # kv - q >= -left, kv - q <= right; None: unbounded
         self.segments = None            # (B, N) sequence ids of packed sequences
+        self.remapped = False           # bounds read in positions within each packed sequence
 
     def bound(self, left=None, right=None):
         if left is not None:
@@ -110,6 +113,9 @@ class _Pattern:
             self.bound(left=int(cells["sliding_window"]), right=int(cells["sliding_window"]))
         elif kind == "packed" and self.segments is None:
             self.segments = cells["packed_sequence_mask"]
+        elif kind == "remap":   # its function on position ids: within a packed sequence they step by 1
+            self.remapped = True
+            self.read(cells["mask_function"])
         else:
             name = getattr(fn, "__qualname__", type(fn).__name__)
             raise NotImplementedError(
@@ -153,6 +159,9 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                                   "padding mask (it takes the tokenizer's (batch, tokens) one)")
     pattern = _Pattern()
     pattern.read(mask_function)
+    if pattern.remapped and pattern.segments is None:   # (positions alone do not keep the sequences apart)
+        raise NotImplementedError("cuflash cannot express a mask function on position ids without the packed "
+                                  "sequences' mask beside it")
     d = int(q_offset) - int(kv_offset)   # key d + i is at query i's own position
     nq, nk = int(q_length), int(kv_length)
     # keys past the last query's reach are masked for every query
