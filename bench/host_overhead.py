@@ -6,7 +6,7 @@ backward, against torch SDPA's, and where cuflash's time goes.
 A call whose kernels finish sooner than the host can issue the next call is timed by
 the benchmark (bench_attention.py, one synchronized call per sample) as host time plus
 kernel time. This prints, per provider: microseconds of host time per call on small
-inputs, timed in batches of 100 calls with the GPU synchronized between them, and for the
+inputs (cuflash's also with softcap, ALiBi and sinks), timed in batches of 100 calls with the GPU synchronized between them, and for the
 benchmark's D = 128, N = 2048 forward, the synchronized per-call median next to the
 back-to-back per-call time (kernels queued ahead, host time hidden). --profile adds a
 cProfile listing of cuflash's calls. --adapter (with torch) adds cuflash.torch.attention's
@@ -72,6 +72,17 @@ def main():
     bwd = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=True)  # noqa: E731
     print(f"cuflash forward   host {host_us(fwd, args.calls):7.1f} us/call")
     print(f"cuflash backward  host {host_us(bwd, args.calls):7.1f} us/call")
+    heads = rng.standard_normal(2, dtype=cupy.float32)   # one per head of (B, H) = (1, 2)
+    for name, mods in (("softcap", dict(softcap=30.0)), ("alibi", dict(alibi_slopes=abs(heads))),
+                       ("sinks", dict(sinks=heads))):
+        mout, mlse = cuflash.attention(q, k, v, causal=True, return_lse=True, **mods)
+        us = host_us(lambda: cuflash.attention(q, k, v, causal=True, **mods), args.calls)   # noqa: B023
+        print(f"  with {name:8s} forward  host {us:7.1f} us/call")
+        us = host_us(lambda: cuflash.attention_backward(do, q, k, v, mout, mlse, causal=True, **mods),   # noqa: B023
+                     args.calls)
+        print(f"  with {name:8s} backward host {us:7.1f} us/call")
+    us = host_us(lambda: cupy.ascontiguousarray(cupy.broadcast_to(heads, (1, 2))), args.calls)
+    print(f"  a per-head array broadcast and copied  {us:7.1f} us/call")
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
