@@ -334,7 +334,8 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
     _checks.check_flag("bias_grad", bias_grad)
     _user.check_backward(score_mod, None, bias is not None and bias_grad and softcap is not None)
     if score_mod is not None or mask_mod is not None or block_mask is not None:
-        _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, cu_seqlens_q is not None)
+        _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, cu_seqlens_q is not None,
+                               bias is not None or bool(dropout_p))
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):
@@ -350,18 +351,19 @@ BACKWARDS_ASKED = 4096
 _backwards_asked: set = set()
 
 
-def _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, packed: bool) -> None:
+def _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, packed: bool, bias_dropout: bool) -> None:
     """Starts compiling the backward's kernels with the call's functions on other threads, so
     that a first forward and backward takes about the longest of the three compiles rather than
     their sum. Inputs or functions that `attention` refuses are left to it (it raises)."""
     try:
         user = _user_functions(score_mod, mask_mod, block_mask, q, k, v)
         device = q.device
-        key = (device.id, q.dtype, q.shape[-1], v.shape[-1], packed, user.source.key)
+        key = (device.id, q.dtype, q.shape[-1], v.shape[-1], packed, bias_dropout, user.source.key)
         if key in _backwards_asked:
             return
         with device:
-            _dispatch.compile_user_backward_soon(q.dtype.name, q.shape[-1], v.shape[-1], packed, user.source)
+            _dispatch.compile_user_backward_soon(q.dtype.name, q.shape[-1], v.shape[-1], packed, user.source,
+                                                 bias_dropout)
     except (AttributeError, KeyError, TypeError, ValueError):
         return
     if len(_backwards_asked) >= BACKWARDS_ASKED:

@@ -115,19 +115,28 @@ def _scores_of(x) -> tuple[str, bool]:
 def _function(name: str, smem: int, x, user: bool):
     """The compiled kernel of name expression ``name``; with ``user`` (a FULL name), its
     UserScores twin compiled after the call's functions."""
-    return _compile.get_function(user_name(name), smem, x.user.source) if user else _compile.get_function(name, smem)
+    if not user:
+        return _compile.get_function(name, smem)
+    return _compile.get_function(user_name(name, _bias_dropout(x)), smem, x.user.source)
 
 
-def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, source) -> None:
+def _bias_dropout(x) -> bool:
+    """Whether the call's user kernels take the bias's and dropout's code: where it has either,
+    and for packed sequences (without dropout's code the sm_80 forward spilled 8 bytes)."""
+    return getattr(x, "packed", None) is not None or (x.mods is not None and x.mods.full)   # (KV cache: none)
+
+
+def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, source, bias_dropout: bool) -> None:
     """Starts compiling the dk/dv and dq kernels of a backward with the generated functions
-    ``source`` on other threads (`_compile.compile_soon`), the names `backward_launches` takes."""
+    ``source`` on other threads (`_compile.compile_soon`), the names `backward_launches` takes
+    (``bias_dropout``: for a call with a bias or dropout)."""
     head_dim = head_dim_bucket(d, dv)
     sm90 = sm90_bwd_tiles(dtype_name, head_dim, scores=FULL, packed=packed) if _compile.current_arch() == "sm_90a" else None
     if sm90 is not None:   # (FULL's Hopper tiles depend on neither the queries nor determinism)
         names = sm90_bwd_names(dtype_name, sm90, packed, FULL)
     else:
         names = bwd_names(dtype_name, bwd_tiles(dtype_name, head_dim, FULL, packed), packed, FULL)[1:]
-    _compile.compile_soon([user_name(n) for n in names], source)
+    _compile.compile_soon([user_name(n, bias_dropout or packed) for n in names], source)   # (as _bias_dropout)
 
 
 def forward_launches(x) -> Launches:
@@ -152,7 +161,7 @@ def forward_launches(x) -> Launches:
         fn = _function(hopper_fwd_name(x.dtype_name, hopper, packed, scores), smem, x, user)
     else:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed, scores)
-        smem = tiles.smem_bytes(itemsize, staged_bias=scores == FULL and not packed)
+        smem = tiles.smem_bytes(itemsize, staged_bias=scores == FULL and not packed and (not user or _bias_dropout(x)))
         block_m, threads, cols = tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
         fn = _function(fwd_name(x.dtype_name, tiles, packed, scores), smem, x, user)
     ws = isinstance(hopper, Sm90WsFwdTiles)
@@ -238,7 +247,7 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
     dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
     if user:   # (dq compiles on another thread while dk/dv compiles here)
-        _compile.compile_soon((user_name(dq_name),), x.user.source)
+        _compile.compile_soon((user_name(dq_name, _bias_dropout(x)),), x.user.source)
     dkdv = Launch(_function(dkdv_name, dkdv_smem, x, user), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
                   dkdv_params, DKDV_FIELDS)
     adds_dq = sm90 is not None and sm90.dkdv_adds_dq   # then no dq pass: delta first, and dq in float32 sums

@@ -50,9 +50,10 @@ SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores
 USER = "user"
 
 
-def user_name(full_name: str) -> str:
-    """The UserScores kernel of a FULL kernel's name expression."""
-    return full_name.replace(SCORE_PATHS[FULL], "cuflash::UserScores")
+def user_name(full_name: str, bias_dropout: bool = False) -> str:
+    """The UserScores kernel of a FULL kernel's name expression; ``bias_dropout``: with the bias's
+    and dropout's code (a call that has either)."""
+    return full_name.replace(SCORE_PATHS[FULL], f"cuflash::UserScores<{_flag(bias_dropout)}>")
 DECODE_SCORE_PATHS = (PLAIN, MODIFIED)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -155,7 +156,7 @@ def every_kernel_launched_is_checked_in_ci():
     get_function = _compile.get_function
 
     def recording(name_expression, smem_bytes, user=None):
-        launched.add(name_expression.replace("cuflash::UserScores", _tiles.SCORE_PATHS[_tiles.FULL]))
+        launched.add(re.sub(r"cuflash::UserScores<\w+>", _tiles.SCORE_PATHS[_tiles.FULL], name_expression))
         return get_function(name_expression, smem_bytes, user)
 
     _compile.get_function = recording

@@ -781,13 +781,17 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
         for packed in (False, True):
             fwd = _tiles.fwd_name(dtype, _tiles.fwd_tiles(dtype, 64, packed, _tiles.FULL), packed, _tiles.FULL)
             bwd = _tiles.bwd_names(dtype, _tiles.bwd_tiles(dtype, 64, _tiles.FULL, packed), packed, _tiles.FULL)[1:]
-            names += [_tiles.user_name(name) for name in (fwd, *bwd)]
+            # (with a bias's and dropout's code: packed, and dense bfloat16 too)
+            extras = (True,) if packed else (False, True) if dtype == "bfloat16" else (False,)
+            names += [_tiles.user_name(name, bd) for name in (fwd, *bwd) for bd in extras]
             for head_dim in (64, 128) if arch == "sm_90a" else ():
                 ws = _tiles.sm90_ws_fwd_tiles(dtype, head_dim, scores=_tiles.FULL)
                 loaders = [ws.without_maps()] + ([] if packed else [dataclasses.replace(ws, tma=True)])
-                names += [_tiles.user_name(_tiles.sm90_ws_fwd_name(dtype, t, packed, _tiles.FULL)) for t in loaders]
+                names += [_tiles.user_name(_tiles.sm90_ws_fwd_name(dtype, t, packed, _tiles.FULL), bd)
+                          for t in loaders for bd in extras]
                 hopper_bwd = _tiles.sm90_bwd_tiles(dtype, head_dim, scores=_tiles.FULL, packed=packed)
-                names += [_tiles.user_name(n) for n in _tiles.sm90_bwd_names(dtype, hopper_bwd, packed, _tiles.FULL)]
+                names += [_tiles.user_name(n, bd) for n in _tiles.sm90_bwd_names(dtype, hopper_bwd, packed, _tiles.FULL)
+                          for bd in extras]
         for head_dim in (64, 128):   # the decoding kernel, over a contiguous cache and pages of 16 rows
             for page in (None, 16):
                 decode = _tiles.decode_tiles(head_dim, 4, 2, page)

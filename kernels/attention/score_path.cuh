@@ -26,22 +26,28 @@ constexpr float LOG2E = 1.4426950408889634f;
 struct PlainScores {
     static constexpr bool MODIFIED = false;
     static constexpr bool FULL = false;
+    static constexpr bool BIAS_DROPOUT = false;
     static constexpr bool USER = false;
 };
 // softcap and ALiBi, each off at run time (cap 0, no slopes)
 struct ModifiedScores {
     static constexpr bool MODIFIED = true;
     static constexpr bool FULL = false;
+    static constexpr bool BIAS_DROPOUT = false;
     static constexpr bool USER = false;
 };
-// softcap, ALiBi, a bias and dropout, each off at run time (the portable prefill kernels')
+// softcap, ALiBi, a bias and dropout, each off at run time (the portable prefill kernels').
+// FULL: the kernels keep each sequence's positions (q0, k0, nq, nk: a bias's and dropout's, and the
+// user path's); BIAS_DROPOUT: their code for a bias and dropout is compiled in.
 struct FullScores {
     static constexpr bool MODIFIED = true;
     static constexpr bool FULL = true;
+    static constexpr bool BIAS_DROPOUT = true;
     static constexpr bool USER = false;
 };
-// FullScores' modifiers and a call's own score and mask functions: UserScores
-// (kernels/user/user_scores.cuh), compiled after the functions, where USER.
+// FullScores' modifiers and a call's own score and mask functions: UserScores<BIAS_DROPOUT>
+// (kernels/user/user_scores.cuh), compiled after the functions, where USER; the bias's and
+// dropout's code only where the call has either (it costs the compile a quarter of its time).
 
 // What a call's block mask (UserScores: cuflash.block_mask) says of a kernel's tile: no element
 // allowed (the kernel skips the tile), some, or every one (no mask function evaluated there).
@@ -185,12 +191,13 @@ __device__ __forceinline__ float log2_of(float x) {
 // The parameters it reads stay in the constant bank (read at each use); it holds only the
 // row's ALiBi slope and the band's offset in registers.
 // Params: AttnParams, or the decoding kernel's DecodeParams (the same modifier fields).
-// BIAS: whether the kernel may see a bias (FULL, not packed: a bias never comes with packed
-// sequences, and its code beside theirs spilled).
-template <class T, class Scores, class Params = AttnParams, bool BIAS = Scores::FULL>
+// BIAS: whether the kernel may see a bias (BIAS_DROPOUT, not packed: a bias never comes with
+// packed sequences, and its code beside theirs spilled).
+template <class T, class Scores, class Params = AttnParams, bool BIAS = Scores::BIAS_DROPOUT>
 struct ScorePath {
     static constexpr bool MODIFIED = Scores::MODIFIED;
     static constexpr bool FULL = Scores::FULL;
+    static constexpr bool BIAS_DROPOUT = Scores::BIAS_DROPOUT;
     const Params& p;
     float slope = 0.f;   // ALiBi's slope in raw units (AttnParams: slope_unit); 0: none
     int off = 0;
@@ -238,7 +245,7 @@ struct ScorePath {
         } else {
             softmax.template finish<APPROX>(acc, lse, scale_log2);
         }
-        if constexpr (FULL) {
+        if constexpr (BIAS_DROPOUT) {
             if (p.dropout_threshold) scale_by(acc, p.dropout_scale);
         }
     }
@@ -246,7 +253,7 @@ struct ScorePath {
     // Whether the call has a bias (FULL); then every block takes the masked softmax, since a
     // bias may hold -inf anywhere (and so may a score or mask function's scores: USER).
     __device__ __forceinline__ bool biased() const {
-        if constexpr (FULL && BIAS) {
+        if constexpr (BIAS_DROPOUT && BIAS) {
             return p.bias != nullptr;
         } else {
             return false;
@@ -501,10 +508,10 @@ struct ScorePath {
         return kept;
     }
     // The mask of a warp's 16 rows from row0 over S_TILES 8-wide tiles from col0 (all kept
-    // without dropout); NoDrop off the FULL path.
+    // without dropout); NoDrop where dropout is not compiled in (BIAS_DROPOUT).
     template <bool KEYS_IN_ROWS, int S_TILES>
     __device__ __forceinline__ auto keep_mask(int row0, int col0) const {
-        if constexpr (FULL) {
+        if constexpr (BIAS_DROPOUT) {
             KeepMask<S_TILES / 2> mask;
             mask.scale = p.dropout_scale;
 #pragma unroll
@@ -520,7 +527,7 @@ struct ScorePath {
     // scaled by 1 / (1 - dropout_p) in finish). Rows from row0, keys from col0.
     template <class Score, int M_TILES, int N_TILES>
     __device__ __forceinline__ void drop(Score (&s)[M_TILES][N_TILES][4], int row0, int col0) const {
-        if constexpr (FULL) {
+        if constexpr (BIAS_DROPOUT) {
             if (p.dropout_threshold) {
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
@@ -731,7 +738,7 @@ struct ScorePath {
                             row0, n0, mask, f);
     }
 
-    // The dq pass's dbias (FULL): dS = p (dp' - delta) before softcap's factor, dp' dp through
+    // The dq pass's dbias (BIAS_DROPOUT): dS = p (dp' - delta) before softcap's factor, dp' dp through
     // dropout's mask, for the warp's rows from row0 and keys from col0 of the sequence, into
     // `dbias`, the entry's nq x nk float32 rows; times the factors f, where ON (the user path's,
     // where the call has no softcap: score_mod's derivative).

@@ -149,7 +149,7 @@ attn_bwd_dkdv(const BwdParams p) {
 
     const Band band(p, w);
     // (a pass with ALiBi does not group: its query entries are one, each with its slope)
-    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, p.group_member(w.entry, 0), w);
+    const ScorePath<T, Scores, AttnParams, Scores::BIAS_DROPOUT && !PACKED> path(p, band, p.group_member(w.entry, 0), w);
     using Factors = ScoreFactors<Scores::USER, S_TILES>;   // (the user path's: ds's factors)
     const int n_end = min(n0 + Cfg::RESIDENT, nk);
     int mb_begin, mb_end;
@@ -283,7 +283,7 @@ attn_bwd_dq(const BwdParams p) {
     }
 
     const Band band(p, w);
-    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, w.entry, w);
+    const ScorePath<T, Scores, AttnParams, Scores::BIAS_DROPOUT && !PACKED> path(p, band, w.entry, w);
     using Factors = ScoreFactors<Scores::USER, S_TILES>;
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
@@ -344,7 +344,7 @@ attn_bwd_dq(const BwdParams p) {
         // ds = p (dp - delta), dp through dropout's mask (and dbias = ds before softcap's
         // factor where asked); dq += ds k (scaled at the end)
         const auto kept = path.template keep_mask<false, S_TILES>(m0 + warp_row0, n0);
-        if constexpr (Scores::FULL) {
+        if constexpr (Scores::BIAS_DROPOUT) {
             if (p.dbias) {
                 path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept,
                                  factors);

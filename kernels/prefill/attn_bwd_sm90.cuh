@@ -130,7 +130,7 @@ attn_bwd_dkdv_sm90(const BwdParams p) {
 
     const Band band(p, w);
     // (ALiBi's passes do not group, nor do FULL's; a bias never comes with packed sequences)
-    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, p.group_member(w.entry, 0), w);
+    const ScorePath<T, Scores, AttnParams, Scores::BIAS_DROPOUT && !PACKED> path(p, band, p.group_member(w.entry, 0), w);
     using Factors = ScoreFactors<Scores::USER, S_TILES>;   // (the user path's: ds's factors)
     // (FULL skips the steps a block mask leaves empty: a gradient product carried into the next
     // step would read a stage refilled meanwhile)
@@ -476,7 +476,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
     const u32 s_v = s_k + STAGES * STEP_BYTES;
 
     const Band band(p, w);
-    const ScorePath<T, Scores, AttnParams, Scores::FULL && !PACKED> path(p, band, w.entry, w);
+    const ScorePath<T, Scores, AttnParams, Scores::BIAS_DROPOUT && !PACKED> path(p, band, w.entry, w);
     using Factors = ScoreFactors<Scores::USER, S_TILES>;
     static_assert(!(Scores::FULL && Cfg::OVERLAP), "the FULL path runs without OVERLAP (as attn_bwd_dkdv_sm90)");
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
@@ -559,9 +559,9 @@ attn_bwd_dq_sm90(const BwdParams p) {
         pin_registers(dp);
 
         // ds = p (dp - delta), dp through dropout's mask (and dbias = ds before softcap's factor
-        // where asked: FULL); dq += ds k (scaled at the end)
+        // where asked: BIAS_DROPOUT); dq += ds k (scaled at the end)
         const auto kept = path.template keep_mask<false, S_TILES>(m0 + warp_row0, n0);
-        if constexpr (Scores::FULL) {
+        if constexpr (Scores::BIAS_DROPOUT) {
             if (p.dbias) {
                 path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept,
                                  factors);

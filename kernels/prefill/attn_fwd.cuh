@@ -76,10 +76,10 @@ attn_fwd(const AttnParams p) {
     using KTile = typename Cfg::KTile;
     using VTile = typename Cfg::VTile;
     constexpr int M_TILES = Cfg::M_TILES, N_TILES = Cfg::N_TILES, D_TILES = Cfg::D_TILES;
-    // FULL and not packed: a bias may come through shared memory, a tile per K/V stage after
-    // them (ScorePath::staged_bias), its loads in the pipeline's groups rather than beside the
-    // products (_tiles.FwdTiles.smem_bytes: staged_bias)
-    constexpr bool STAGED_BIAS = Scores::FULL && !PACKED;
+    // A bias compiled in and not packed: it may come through shared memory, a tile per K/V stage
+    // after them (ScorePath::staged_bias), its loads in the pipeline's groups rather than beside
+    // the products (_tiles.FwdTiles.smem_bytes: staged_bias)
+    constexpr bool STAGED_BIAS = Scores::BIAS_DROPOUT && !PACKED;
     using BiasTile = SmemTile<Storage, BLOCK_M, BLOCK_N>;
     constexpr int SMEM_BYTES = Cfg::SMEM_BYTES + (STAGED_BIAS ? Cfg::STAGES * BiasTile::BYTES : 0);
 

@@ -11,9 +11,12 @@
 
 namespace cuflash {
 
+// BIAS_DROPOUT_: the bias's and dropout's code compiled in (the call has either)
+template <bool BIAS_DROPOUT_>
 struct UserScores {
     static constexpr bool MODIFIED = true;
     static constexpr bool FULL = true;
+    static constexpr bool BIAS_DROPOUT = BIAS_DROPOUT_;
     static constexpr bool USER = true;
     static constexpr bool SCORE = CUFLASH_USER_SCORE != 0;   // whether there is a score function
     static constexpr bool MASK = CUFLASH_USER_MASK != 0;     // whether there is a mask function
