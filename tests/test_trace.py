@@ -859,7 +859,7 @@ def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
 def test_attention_vjp_asks_for_the_backward_compiles_once(monkeypatch):
     """attention_vjp starts the backward's compiles (`_compile_backward_soon`) at its first call
     with a function's source and shapes, not at each call: again only for another source, head
-    dim, dtype or packing."""
+    dim, dtype, packing or a call with a bias or dropout (their code compiled in)."""
     from cuflash import _api, _dispatch
 
     class Device:
@@ -883,15 +883,15 @@ def test_attention_vjp_asks_for_the_backward_compiles_once(monkeypatch):
     def score_mod(score, b, h, q, k):
         return score + offset
 
-    def soon(x=None, packed=False):
+    def soon(x=None, packed=False, bias_dropout=False):
         x = Array() if x is None else x
-        _api._compile_backward_soon(x, x, x, score_mod, None, None, packed)
+        _api._compile_backward_soon(x, x, x, score_mod, None, None, packed, bias_dropout)
 
     soon(), soon()
     assert asked == [("float16", 64, 64, False)]
     offset = 2.0   # noqa: F841 - read by score_mod: a new source
-    soon(), soon(Array(128)), soon(Array(dtype=np.float32)), soon(packed=True), soon()
-    assert len(asked) == 5
+    soon(), soon(Array(128)), soon(Array(dtype=np.float32)), soon(packed=True), soon(bias_dropout=True), soon()
+    assert len(asked) == 6
 
 
 @requires_cxx
