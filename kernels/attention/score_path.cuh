@@ -738,6 +738,20 @@ struct ScorePath {
                             row0, n0, mask, f);
     }
 
+    // The dq pass's ds = p (dp - delta) in place of dp, dp through dropout's mask (row_ds), after
+    // its dbias where the call asks for it (BIAS_DROPOUT: the backward's parameters `bp`, whose
+    // dbias holds query entry `entry`'s nq x nk rows, or is null)
+    template <int S_TILES, class BwdP, class Factors>
+    __device__ __forceinline__ void dq_ds(float (&dp)[1][S_TILES][4], const float (&prob)[1][S_TILES][4],
+                                          const float (&delta)[2], const float (&lse2)[2], int row0, int n0,
+                                          const BwdP& bp, u32 entry, const Factors& f) const {
+        const auto kept = keep_mask<false, S_TILES>(row0, n0);
+        if constexpr (BIAS_DROPOUT) {
+            if (bp.dbias) store_dbias(bp.dbias + index_t(entry) * bp.nq * bp.nk, dp, prob, delta, row0, n0, kept, f);
+        }
+        row_ds(dp, prob, delta, lse2, row0, n0, kept, f);
+    }
+
     // The dq pass's dbias (BIAS_DROPOUT): dS = p (dp' - delta) before softcap's factor, dp' dp through
     // dropout's mask, for the warp's rows from row0 and keys from col0 of the sequence, into
     // `dbias`, the entry's nq x nk float32 rows; times the factors f, where ON (the user path's,

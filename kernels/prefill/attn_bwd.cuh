@@ -341,16 +341,9 @@ attn_bwd_dq(const BwdParams p) {
         fill_zero(dp);
         mma_rows_rows<T, RTile, STile, HEAD_DIM>(dp, s_do, warp_row0, v_st);
 
-        // ds = p (dp - delta), dp through dropout's mask (and dbias = ds before softcap's
-        // factor where asked); dq += ds k (scaled at the end)
-        const auto kept = path.template keep_mask<false, S_TILES>(m0 + warp_row0, n0);
-        if constexpr (Scores::BIAS_DROPOUT) {
-            if (p.dbias) {
-                path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept,
-                                 factors);
-            }
-        }
-        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0, kept, factors);
+        // ds = p (dp - delta) (and dbias = ds before softcap's factor where asked); dq += ds k
+        // (scaled at the end)
+        path.dq_ds(dp, s, delta, lse2, m0 + warp_row0, n0, p, w.entry, factors);
         mma_regs_cols<T, STile>(acc_dq, dp, k_st, col0);
         __syncthreads();
     }

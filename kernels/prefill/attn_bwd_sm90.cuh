@@ -558,16 +558,9 @@ attn_bwd_dq_sm90(const BwdParams p) {
         wgmma_wait<Cfg::OVERLAP ? 1 : 0>();
         pin_registers(dp);
 
-        // ds = p (dp - delta), dp through dropout's mask (and dbias = ds before softcap's factor
-        // where asked: BIAS_DROPOUT); dq += ds k (scaled at the end)
-        const auto kept = path.template keep_mask<false, S_TILES>(m0 + warp_row0, n0);
-        if constexpr (Scores::BIAS_DROPOUT) {
-            if (p.dbias) {
-                path.store_dbias(p.dbias + index_t(w.entry) * p.nq * p.nk, dp, s, delta, m0 + warp_row0, n0, kept,
-                                 factors);
-            }
-        }
-        path.row_ds(dp, s, delta, lse2, m0 + warp_row0, n0, kept, factors);
+        // ds = p (dp - delta) (and dbias = ds before softcap's factor where asked); dq += ds k
+        // (scaled at the end)
+        path.dq_ds(dp, s, delta, lse2, m0 + warp_row0, n0, p, w.entry, factors);
         if (Cfg::OVERLAP) {
             wgmma_wait<0>();   // the previous step's dq product: dsa is free
             pin_registers(acc_dq);
