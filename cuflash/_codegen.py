@@ -116,6 +116,14 @@ CUFLASH_MOD_FN float cf_div(float a, float b) {
     return a / b;
 #endif
 }
+// x added to *at: atomically on the device (many threads add to one gradient), in turn on the host.
+CUFLASH_MOD_FN void cf_add(float* at, float x) {
+#if defined(__CUDA_ARCH__)
+    atomicAdd(at, x);
+#else
+    *at += x;
+#endif
+}
 CUFLASH_MOD_FN float cf_inf() { return cf_bits(0x7f800000u); }
 CUFLASH_MOD_FN float cf_nan() { return cf_bits(0x7fc00000u); }
 CUFLASH_MOD_FN float cf_bf16(unsigned short h) { return cf_bits((unsigned int)h << 16); }
@@ -191,6 +199,17 @@ def offset(node, names) -> str:
     return " + ".join(terms) or "0"
 
 
+def flat_index(node, names) -> str:
+    """The row-major index of a load node's element in an array of the read array's shape (a
+    contiguous gradient of it), its indices clamped to the shape."""
+    a = f"arrays[{node.attr}]"
+    text = "0"
+    for d, i in enumerate(node.args):
+        clamped = f"cf_clamp({names[id(i)]}, {a}.shape[{d}])"
+        text = clamped if d == 0 else f"({text}) * {a}.shape[{d}] + {clamped}"
+    return text
+
+
 def _expression(n, names, captures) -> str:
     args = [names[id(a)] for a in n.args]
     op = n.op
@@ -244,20 +263,21 @@ def _params(traced: Traced, score: bool) -> str:
 
 
 def _function(ret: str, name: str, params: str, root, traced: Traced, read=None) -> str:
-    """A function returning ``root``; with ``read`` (a load node), also storing the read's
-    element offset through the parameter ``offset``."""
+    """A function returning ``root``; with ``read`` (a load node), also storing the row-major
+    index of the element it reads through the parameter ``at`` (`flat_index`)."""
     roots = [root] if read is None else [root, *read.args]
     lines, names = _body(roots, traced.captures)
     if read is not None:
-        lines.append(f"    *offset = {offset(read, names)};\n")
+        lines.append(f"    *at = {flat_index(read, names)};\n")
     unused = "".join(f"    (void){p};\n" for p in ("score", "arrays") if p in params)
     return f"CUFLASH_MOD_FN {ret} {name}({params}) {{\n{unused}{''.join(lines)}    return {names[id(root)]};\n}}\n"
 
 
 def score_mod_source(traced: Traced, name: str = "cuflash_score_mod") -> Source:
     """``name``: the score function; ``name_dscore``: its derivative with respect to the score;
-    ``name_read<k>`` for each of ``traced.reads``: d(result) / d(read k), with the element
-    offset of the read stored through ``offset`` (where the gradient of the array goes)."""
+    ``name_read<k>`` for each of ``traced.reads``: d(result) / d(read k), with the row-major index
+    of the element read stored through ``at`` (where it goes in a contiguous gradient of the
+    array)."""
     assert traced.role == "score_mod"
     params = _params(traced, score=True)
     parts = [_function("float", name, params, traced.result, traced),
@@ -265,7 +285,7 @@ def score_mod_source(traced: Traced, name: str = "cuflash_score_mod") -> Source:
     names = [name, f"{name}_dscore"]
     for k, r in enumerate(traced.reads):
         names.append(f"{name}_read{k}")
-        parts.append(_function("float", names[-1], f"{params}, long long* offset", r.derivative, traced, r.node))
+        parts.append(_function("float", names[-1], f"{params}, long long* at", r.derivative, traced, r.node))
     return Source("\n".join(parts), tuple(names))
 
 
@@ -276,9 +296,15 @@ def user_mods_source(score: Traced | None, mask: Traced | None) -> Source:
     score itself without one), ``cuflash_user_dscore`` (the same arguments), its derivative with
     respect to the score (1 without one), and ``cuflash_user_mask(entry, shape, q_idx, kv_idx, arrays)``,
     the mask function (true without one), whose captured arrays follow the score function's in
-    ``arrays``; and ``CUFLASH_USER_SCORE`` and ``CUFLASH_USER_MASK``, 1 where there is a score
-    function, a mask function."""
-    text = f"#define CUFLASH_USER_SCORE {int(score is not None)}\n#define CUFLASH_USER_MASK {int(mask is not None)}\n"
+    ``arrays``; ``cuflash_user_score_grads(score, ds, entry, shape, q_idx, kv_idx, arrays, grads)``,
+    which adds ``ds`` (the gradient of the score function's result) times the derivative of
+    each float read of the score function to ``grads[slot]`` (a contiguous float32 gradient of
+    the array in that slot, or null: none asked) at the element it reads; and
+    ``CUFLASH_USER_SCORE``, ``CUFLASH_USER_MASK`` and ``CUFLASH_USER_READS``: 1 where there is a
+    score function, a mask function, and the number of reads a gradient reaches."""
+    reads = () if score is None else score.reads
+    text = (f"#define CUFLASH_USER_SCORE {int(score is not None)}\n#define CUFLASH_USER_MASK {int(mask is not None)}\n"
+            f"#define CUFLASH_USER_READS {len(reads)}\n")
     indices = "long long q_idx, long long kv_idx, const cuflash_array* arrays"
     unused = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n"
     if score is not None:
@@ -294,6 +320,18 @@ def user_mods_source(score: Traced | None, mask: Traced | None) -> Source:
                     f"    return {fn}(score, {batch}q_idx, kv_idx, arrays);\n")
         text += (f"CUFLASH_MOD_FN float {name}(float score, long long entry, const long long* shape, {indices}) "
                  f"{{\n{body}}}\n")
+    grads = "    (void)score; (void)ds; (void)grads;\n"
+    if reads:
+        batch = "".join(f"b{i}, " for i in range(score.batch_dims))
+        grads += f"    (void)shape;\n{_unflatten(score.batch_dims)}{'' if score.batch_dims else '    (void)entry;' + chr(10)}"
+        for k, r in enumerate(reads):
+            grads += (f"    if (grads[{r.slot}]) {{\n        long long at;\n"
+                      f"        const float d = cuflash_score_mod_read{k}(score, {batch}q_idx, kv_idx, arrays, &at);\n"
+                      f"        cf_add(grads[{r.slot}] + at, ds * d);\n    }}\n")
+    else:
+        grads += unused
+    text += (f"CUFLASH_MOD_FN void cuflash_user_score_grads(float score, float ds, long long entry, const long long* shape, "
+             f"{indices}, float* const* grads) {{\n{grads}}}\n")
     if mask is None:
         body = f"{unused}    return true;\n"
     else:
@@ -301,7 +339,7 @@ def user_mods_source(score: Traced | None, mask: Traced | None) -> Source:
         slots = 0 if score is None else len(score.captures)
         body = f"    return cuflash_mask_mod_entry(entry, shape, q_idx, kv_idx, arrays + {slots});\n"
     text += f"CUFLASH_MOD_FN bool cuflash_user_mask(long long entry, const long long* shape, {indices}) {{\n{body}}}\n"
-    return Source(text, ("cuflash_user_score", "cuflash_user_dscore", "cuflash_user_mask"))
+    return Source(text, ("cuflash_user_score", "cuflash_user_dscore", "cuflash_user_score_grads", "cuflash_user_mask"))
 
 
 def _unflatten(batch_dims: int) -> str:

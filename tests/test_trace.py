@@ -511,7 +511,7 @@ def test_generated_cpp_equals_numpy_in_float32(tmp_path_factory, trees, mask_tre
             assert_float32_close(d, dv, f"mod{n} read{r}")
             table = arrays[read.slot]
             clamped = [np.clip(np.broadcast_to(i, score.shape), 0, m - 1) for i, m in zip(index, table.shape)]
-            np.testing.assert_array_equal(offsets, sum(i * (s // table.itemsize) for i, s in zip(clamped, table.strides)))
+            np.testing.assert_array_equal(offsets, np.ravel_multi_index(clamped, table.shape))   # (a gradient's index)
     arrays = _trace.captured_arrays(mask_fn, mask)
     got = run_host(lib, "mask", score, grids, arrays, dtype=np.bool_)[0]
     (want,) = _trace.evaluate([mask.result], score, grids, arrays, np.float32)
@@ -635,6 +635,56 @@ def test_user_score_and_its_derivative_of_a_flat_entry(tmp_path, with_score):
             value = float(score_mod(s, b, h, i, 4 - i))
             slope = (float(score_mod(s + 1e-6, b, h, i, 4 - i)) - float(score_mod(s - 1e-6, b, h, i, 4 - i))) / 2e-6
             np.testing.assert_allclose(got[e, i], (value, slope), rtol=1e-5, atol=1e-5)
+
+
+@requires_cxx
+@settings(max_examples=10, **FAST)
+@given(tree=floats(3, smooth=True), seed=st.integers(0, 2**31 - 1))
+def test_user_score_grads_add_to_the_arrays_read(tmp_path_factory, tree, seed):
+    """``cuflash_user_score_grads`` (what a backward calls per score with its gradient ds), run over
+    every (entry, q, k) of a batch: each listed array's float32 gradient is the sum of ds times
+    d(result) / d(read) at each element its reads reach (indices clamped), as the reference adds
+    them (cuflash.reference.attention_backward's score_mod_grads); an unlisted array gets none."""
+    fn = make_function(tree, TABLE, IDS, FLAGS)
+    traced = _trace.trace(fn, "score_mod", len(BATCH))
+    assume(traced.reads)
+    arrays = _trace.captured_arrays(fn, traced)
+    runners = textwrap.dedent("""
+        extern "C" void run(long long entries, long long nq, long long nk, const long long* shape,
+                            const float* scores, const float* ds, const cuflash_array* arrays, float* const* grads) {
+            for (long long e = 0; e < entries; ++e)
+                for (long long i = 0; i < nq; ++i)
+                    for (long long j = 0; j < nk; ++j) {
+                        const long long at = (e * nq + i) * nk + j;
+                        cuflash_user_score_grads(scores[at], ds[at], e, shape, i, j, arrays, grads);
+                    }
+        }
+    """)
+    lib = host_library(tmp_path_factory.mktemp("grads"), _codegen.user_mods_source(traced, None).text, runners)
+    score = inputs(seed=seed)[0].astype(np.float32)
+    grids = _trace.index_grids(BATCH, np.arange(score.shape[-2]), np.arange(score.shape[-1]))   # (as the runner's)
+    rng = np.random.default_rng(seed)
+    ds = rng.standard_normal(score.shape).astype(np.float32)
+    listed = {r.slot for r in traced.reads if rng.random() < 0.8} or {traced.reads[0].slot}
+    grads = [np.zeros(a.shape, dtype=np.float32) if slot in listed else None for slot, a in enumerate(arrays)]
+    pointers = (ctypes.c_void_p * max(len(arrays), 1))(*[None if g is None else g.ctypes.data for g in grads])
+    shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
+    shape[:len(BATCH)] = BATCH
+    descriptors = _codegen.descriptors(arrays)
+    lib.run(ctypes.c_longlong(int(np.prod(BATCH))), ctypes.c_longlong(score.shape[-2]), ctypes.c_longlong(score.shape[-1]),
+            ctypes.c_void_p(shape.ctypes.data), ctypes.c_void_p(np.ascontiguousarray(score).ctypes.data),
+            ctypes.c_void_p(ds.ctypes.data), ctypes.c_void_p(descriptors.ctypes.data), pointers)
+    for slot, got in enumerate(grads):
+        if got is None:
+            continue
+        want = np.zeros(arrays[slot].shape)
+        for r in traced.reads:
+            if r.slot == slot:
+                d, *index = _trace.evaluate([r.derivative, *r.node.args], score, grids, arrays, np.float32)
+                index = [np.clip(np.broadcast_to(i, score.shape), 0, n - 1) for i, n in zip(index, want.shape)]
+                np.add.at(want, tuple(index), (ds * np.broadcast_to(d, score.shape)).astype(np.float64))
+        scale = 1 + np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale * score.size ** 0.5)
 
 
 def every_dtype_function():
