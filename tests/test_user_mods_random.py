@@ -111,15 +111,17 @@ def test_generated_functions_on_the_kv_cache_match_the_reference(score_tree, mas
                                                                  group, nq, n_new, page_size, num_splits, seed):
     """attention_kvcache with generated functions (q_idx from each sequence's length) against
     the reference, out within twice the plain call's error and lse; ragged lengths, empty caches,
-    appends, pages, splits, grouped query heads. Scores the functions make stay under 100."""
+    appends, pages, splits, grouped query heads (q (B, Hkv, G, Nq, D) against caches (B, Hkv, 1,
+    N, D); the functions see the query head h = Hkv index * G + g). Scores the functions make
+    stay under 100."""
     import cupy
 
     rng = np.random.default_rng(seed)
-    b, h = len(lengths), hkv * group
+    b = len(lengths)
     nmax = max(lengths) + n_new + 5
-    q = random_array(rng, (b, h, nq, d), dtype, scale=1.5)
+    q = random_array(rng, (b, hkv, group, nq, d), dtype, scale=1.5)
     kc, vc = (random_array(rng, (b, hkv, nmax, d), dtype, scale=1.5) for _ in range(2))
-    kn, vn = (random_array(rng, (b, hkv, n_new, d), dtype) if n_new else None for _ in range(2))
+    kn, vn = (random_array(rng, (b, hkv, 1, n_new, d), dtype) if n_new else None for _ in range(2))
     table = None
     if page_size is not None:   # the same rows in pages of a random order
         pages = -(-nmax // page_size)
@@ -130,24 +132,27 @@ def test_generated_functions_on_the_kv_cache_match_the_reference(score_tree, mas
                 where[table[i, j // page_size], j % page_size] = i * nmax + min(j, nmax - 1)
         kc, vc = (cupy.moveaxis(c.swapaxes(0, 1).reshape(hkv, b * nmax, d)[:, cupy.asarray(where)], 0, 1)
                   for c in (kc, vc))
+    kc, vc = kc[:, :, None], vc[:, :, None]   # (a view: the caches' group dim)
     host = {name: None if x is None else cupy.asnumpy(x).astype(np.float64)
             for name, x in (("q", q), ("k", kc), ("v", vc), ("k_new", kn), ("v_new", vn))}
     tables_gpu = tuple(cupy.asarray(x) for x in (TABLE, IDS, FLAGS))
     on_gpu, on_host, made = {}, {}, []
     if which in ("score", "both"):
-        score_host = make_function(score_tree, TABLE, IDS, FLAGS)
+        score_host, score_gpu = make_function(score_tree, TABLE, IDS, FLAGS), make_function(score_tree, *tables_gpu)
 
-        def recorded(score, *idx):   # (the reference calls it on arrays after tracing it)
-            result = score_host(score, *idx)
+        def recorded(score, b, hk, g, i, j):   # (the reference calls it on arrays after tracing it)
+            result = score_host(score, b, hk * group + g, i, j)
             if isinstance(score, np.ndarray):
                 made.append(np.asarray(result, dtype=np.float64))
             return result
 
         on_host["score_mod"] = recorded
-        on_gpu["score_mod"] = make_function(score_tree, *tables_gpu)
+        on_gpu["score_mod"] = lambda score, b, hk, g, i, j: score_gpu(score, b, hk * group + g, i, j)
     if which in ("mask", "both"):
-        on_host["mask_mod"] = make_function(mask_tree, TABLE, IDS, FLAGS, role="mask_mod")
-        on_gpu["mask_mod"] = make_function(mask_tree, *tables_gpu, role="mask_mod")
+        mask_host = make_function(mask_tree, TABLE, IDS, FLAGS, role="mask_mod")
+        mask_gpu = make_function(mask_tree, *tables_gpu, role="mask_mod")
+        on_host["mask_mod"] = lambda b, hk, g, i, j: mask_host(b, hk * group + g, i, j)
+        on_gpu["mask_mod"] = lambda b, hk, g, i, j: mask_gpu(b, hk * group + g, i, j)
     common = dict(cache_seqlens=np.asarray(lengths), block_table=table, return_lse=True)
     with np.errstate(all="ignore"):
         want, want_lse = reference.attention_kvcache(host["q"], host["k"].copy(), host["v"].copy(), k_new=host["k_new"],
