@@ -117,13 +117,20 @@ def _function(name: str, smem: int, x, user: bool):
     UserScores twin compiled after the call's functions."""
     if not user:
         return _compile.get_function(name, smem)
-    return _compile.get_function(user_name(name, _bias_dropout(x)), smem, x.user.source)
+    return _compile.get_function(_user_name(name, x), smem, x.user.source)
 
 
-def _bias_dropout(x) -> bool:
-    """Whether the call's user kernels take the bias's and dropout's code: where it has either,
-    and for packed sequences (without dropout's code the sm_80 forward spilled 8 bytes)."""
-    return getattr(x, "packed", None) is not None or (x.mods is not None and x.mods.full)   # (KV cache: none)
+def _user_name(name: str, x) -> str:
+    """The UserScores twin of FULL kernel ``name`` for call ``x`` (`user_kernel_name`)."""
+    packed = getattr(x, "packed", None) is not None   # (the KV cache: never packed)
+    return user_kernel_name(name, packed, x.mods is not None and x.mods.full)
+
+
+def user_kernel_name(name: str, packed: bool, bias_dropout: bool) -> str:
+    """The UserScores twin of FULL kernel ``name``: with the bias's and dropout's code where the
+    call has either, and for packed sequences (without dropout's code the sm_80 forward spilled 8
+    bytes)."""
+    return user_name(name, packed or bias_dropout)
 
 
 def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, source, bias_dropout: bool) -> None:
@@ -136,7 +143,7 @@ def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, s
         names = sm90_bwd_names(dtype_name, sm90, packed, FULL)
     else:
         names = bwd_names(dtype_name, bwd_tiles(dtype_name, head_dim, FULL, packed), packed, FULL)[1:]
-    _compile.compile_soon([user_name(n, bias_dropout or packed) for n in names], source)   # (as _bias_dropout)
+    _compile.compile_soon([user_kernel_name(n, packed, bias_dropout) for n in names], source)
 
 
 def forward_launches(x) -> Launches:
@@ -161,7 +168,8 @@ def forward_launches(x) -> Launches:
         fn = _function(hopper_fwd_name(x.dtype_name, hopper, packed, scores), smem, x, user)
     else:
         tiles = fwd_tiles(x.dtype_name, head_dim, packed, scores)
-        smem = tiles.smem_bytes(itemsize, staged_bias=scores == FULL and not packed and (not user or _bias_dropout(x)))
+        staged_bias = scores == FULL and not packed and (not user or x.mods is not None and x.mods.full)
+        smem = tiles.smem_bytes(itemsize, staged_bias=staged_bias)
         block_m, threads, cols = tiles.block_m, tiles.warps * 32, -(-x.dv // tiles.dv_block)
         fn = _function(fwd_name(x.dtype_name, tiles, packed, scores), smem, x, user)
     ws = isinstance(hopper, Sm90WsFwdTiles)
@@ -247,7 +255,7 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
     dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
     if user:   # (dq compiles on another thread while dk/dv compiles here)
-        _compile.compile_soon((user_name(dq_name, _bias_dropout(x)),), x.user.source)
+        _compile.compile_soon((_user_name(dq_name, x),), x.user.source)
     dkdv = Launch(_function(dkdv_name, dkdv_smem, x, user), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
                   dkdv_params, DKDV_FIELDS)
     adds_dq = sm90 is not None and sm90.dkdv_adds_dq   # then no dq pass: delta first, and dq in float32 sums
