@@ -7,6 +7,7 @@ Usage (from any directory, with cuflash and its ``cuda12`` extra installed)::
     python tools/check_kernels.py --arch sm_90a       # one architecture (repeatable)
     python tools/check_kernels.py --filter attn_bwd   # only names containing a substring
     python tools/check_kernels.py --jobs 4            # worker processes (default: all CPUs)
+    python tools/check_kernels.py --group 1           # one kernel per NVRTC program
 
 No GPU is needed: NVRTC (from the ``nvidia-cuda-nvrtc-cu12`` wheel, reached through
 CuPy's ``cupy_backends.cuda.libs.nvrtc``) compiles straight to a cubin. The source is
@@ -14,7 +15,9 @@ CuPy's ``cupy_backends.cuda.libs.nvrtc``) compiles straight to a cubin. The sour
 plus ``-Xptxas=-v``, and the kernels are ``cuflash._tiles.all_specializations(arch)`` (what the
 library launches) and ``cuflash._tiles.candidate_specializations(arch)`` (what the tuner and the
 tests launch besides).
-Each (arch, name expression) pair is a separate NVRTC program, compiled in a process pool.
+Up to ``--group`` name expressions of one arch share an NVRTC program (8 by default: the front
+end, parsing the source, is then taken once for them), compiled in a process pool; a program
+that fails or warns is compiled again one kernel per program, so the report names the kernel.
 
 A kernel fails when
   * NVRTC or ptxas reports an error (the program log is printed),
@@ -28,7 +31,7 @@ its own (a kernel that calls it fails through its cumulative stack size).
 
 The run also fails when the list of specializations (after ``--filter``) is empty.
 A table goes to stdout (arch, name expression, registers, static shared memory, stack
-frame, spill stores/loads, compile seconds, status); progress goes to stderr.
+frame, spill stores/loads, compile seconds (a share of its program's), status); progress goes to stderr.
 Exit status: 0 when every kernel passes, 1 otherwise (2 for usage errors).
 """
 
@@ -170,42 +173,61 @@ def _nvrtc():
     return nvrtc
 
 
-def compile_one(index: int, arch: str, name: str, options: tuple[str, ...]) -> Result:
-    """Compile one name expression for one arch and judge the ptxas report."""
-    res = Result(index=index, arch=arch, name=name)
+def compile_group(indices: tuple[int, ...], arch: str, names: tuple[str, ...],
+                  options: tuple[str, ...]) -> list[Result]:
+    """Compile name expressions ``names`` for one arch as one NVRTC program (its front end,
+    parsing the source, taken once: a seventh of a program's time) and judge each kernel's
+    ptxas report. A group whose program fails is compiled again one kernel per program, so
+    that an error or warning names its own kernel."""
     t0 = time.perf_counter()
+    log, lowered, problems = _compile_program(arch, names, options)
+    seconds = (time.perf_counter() - t0) / len(names)
+    warnings = log_warnings(log)
+    if len(names) > 1 and (problems or warnings):
+        return [r for i, n in zip(indices, names) for r in compile_group((i,), arch, (n,), options)]
+    funcs = parse_ptxas_log(log)
+    results = []
+    for i, name in zip(indices, names):
+        res = Result(index=i, arch=arch, name=name, compiled=not problems, seconds=seconds,
+                     lowered=lowered.get(name), problems=list(problems), warnings=list(warnings),
+                     log=log)
+        if res.compiled:
+            judge(res, funcs)
+        res.ok = res.compiled and not res.problems
+        results.append(res)
+    return results
+
+
+def _compile_program(arch: str, names: tuple[str, ...], options: tuple[str, ...]):
+    """(program log, lowered name of each name expression, problems) of one NVRTC program."""
+    log, lowered, problems = "", {}, []
     prog = None
     try:
         nvrtc = _nvrtc()
         prog = nvrtc.createProgram(_SOURCE, PROGRAM_NAME, [], [])
-        nvrtc.addNameExpression(prog, name)
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
         try:
             nvrtc.compileProgram(prog, list(options))
-            res.compiled = True
         except nvrtc.NVRTCError as exc:
-            res.problems.append(f"compilation failed: {exc}")
-        res.log = (nvrtc.getProgramLog(prog) or "").rstrip("\x00").rstrip()
-        if res.compiled:
-            res.lowered = nvrtc.getLoweredName(prog, name)
+            problems.append(f"compilation failed: {exc}")
+        log = (nvrtc.getProgramLog(prog) or "").rstrip("\x00").rstrip()
+        if not problems:
+            lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
     except Exception:
-        res.problems.append("exception while compiling:\n" + traceback.format_exc())
+        problems.append("exception while compiling:\n" + traceback.format_exc())
     finally:
         if prog is not None:
             try:
                 _nvrtc().destroyProgram(prog)
             except Exception:
                 pass
-    res.seconds = time.perf_counter() - t0
-    if res.compiled:
-        judge(res)
-    res.ok = res.compiled and not res.problems
-    return res
+    return log, lowered, problems
 
 
-def judge(res: Result) -> None:
-    """Fill the resource columns of ``res`` from its log and record what is wrong."""
-    res.warnings = log_warnings(res.log)
-    funcs = parse_ptxas_log(res.log)
+def judge(res: Result, funcs: dict[str, FunctionReport]) -> None:
+    """Fill the resource columns of ``res`` from its program's ptxas report ``funcs`` and record
+    what is wrong: its own kernel's report, and any device function's of the program."""
     kernel = funcs.get(res.lowered) if res.lowered else None
     if kernel is None or kernel.stack_frame is None or kernel.registers is None:
         res.problems.append(
@@ -219,6 +241,8 @@ def judge(res: Result) -> None:
         res.spill_stores = kernel.spill_stores
         res.spill_loads = kernel.spill_loads
     for f in funcs.values():
+        if f.entry and f.name != res.lowered:
+            continue   # another kernel of the same program: judged as its own result
         label = ("kernel " if f.entry else "device function ") + f.name
         if f.spill_stores or f.spill_loads:
             res.problems.append(
@@ -299,6 +323,9 @@ def parse_args(argv):
                    help="target such as sm_80 or sm_90a; repeatable (default: sm_80 and sm_90a)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                    help="worker processes (default: os.cpu_count())")
+    p.add_argument("--group", type=int, default=8, metavar="N",
+                   help="kernels per NVRTC program (default 8; a failed program is compiled again "
+                        "one kernel per program)")
     p.add_argument("--filter", metavar="SUBSTR",
                    help="only name expressions containing SUBSTR")
     p.add_argument("--werror", action="store_true",
@@ -306,8 +333,16 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
+    if args.group < 1:
+        p.error("--group must be at least 1")
     args.arch = list(dict.fromkeys(args.arch or DEFAULT_ARCHS))
     return args
+
+
+def _arch_starts(tasks: list[tuple[str, str]]) -> list[tuple[int, int]]:
+    """The [start, end) of each arch's run of tasks (a program compiles for one arch)."""
+    bounds = [i for i in range(1, len(tasks)) if tasks[i][0] != tasks[i - 1][0]]
+    return list(zip([0, *bounds], [*bounds, len(tasks)]))
 
 
 def main(argv=None) -> int:
@@ -337,10 +372,13 @@ def main(argv=None) -> int:
         options[arch] = opts
 
     tasks = [(arch, name) for arch in args.arch for name in names_by_arch[arch]]
-    jobs = min(args.jobs, len(tasks))
+    groups = [tuple(range(i, min(i + args.group, len(tasks))))
+              for arch_start in _arch_starts(tasks)
+              for i in range(arch_start[0], arch_start[1], args.group)]
+    jobs = min(args.jobs, len(groups))
     counts = ", ".join(f"{len(names_by_arch[a])} for {a}" for a in args.arch)
-    print(f"check_kernels: specializations {counts} = {len(tasks)} programs, {jobs} jobs",
-          file=sys.stderr)
+    print(f"check_kernels: specializations {counts} = {len(tasks)} kernels in {len(groups)} programs, "
+          f"{jobs} jobs", file=sys.stderr)
     for arch in args.arch:
         print(f"check_kernels: options for {arch}: {' '.join(options[arch])}", file=sys.stderr)
 
@@ -349,23 +387,25 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
                                 initializer=_init_worker, initargs=(source,)) as pool:
-        futures = {
-            pool.submit(compile_one, i, arch, name, options[arch]): (i, arch, name)
-            for i, (arch, name) in enumerate(tasks)
-        }
-        for done, fut in enumerate(cf.as_completed(futures), 1):
-            i, arch, name = futures[fut]
+        futures = {}
+        for group in groups:
+            arch = tasks[group[0]][0]
+            names = tuple(tasks[i][1] for i in group)
+            futures[pool.submit(compile_group, group, arch, names, options[arch])] = (group, arch, names)
+        for fut in cf.as_completed(futures):
+            group, arch, names = futures[fut]
             try:
-                res = fut.result()
+                done_here = fut.result()
             except Exception as exc:  # a worker died (e.g. BrokenProcessPool)
-                res = Result(index=i, arch=arch, name=name,
-                             problems=[f"worker failed: {exc!r}"])
-            if args.werror and res.warnings:
-                res.problems.extend(f"warning (--werror): {w}" for w in res.warnings)
-                res.ok = False
-            results.append(res)
-            print(f"[{done}/{len(tasks)}] {'ok  ' if res.ok else 'FAIL'} {arch} {name} "
-                  f"({res.seconds:.1f} s)", file=sys.stderr, flush=True)
+                done_here = [Result(index=i, arch=arch, name=n, problems=[f"worker failed: {exc!r}"])
+                             for i, n in zip(group, names)]
+            for res in done_here:
+                if args.werror and res.warnings:
+                    res.problems.extend(f"warning (--werror): {w}" for w in res.warnings)
+                    res.ok = False
+                results.append(res)
+                print(f"[{len(results)}/{len(tasks)}] {'ok  ' if res.ok else 'FAIL'} {arch} {res.name} "
+                      f"({res.seconds:.1f} s)", file=sys.stderr, flush=True)
 
     results.sort(key=lambda r: r.index)
     failed = [r for r in results if not r.ok]
