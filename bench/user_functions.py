@@ -26,7 +26,8 @@ ones. FlexAttention: compiled afresh per case (torch._dynamo.reset()),
 fullgraph, static shapes; its first call's seconds in "flex_compile_s". cuflash's first call
 with a new function (trace and compile; kernels cached on disk from an earlier run are not
 recompiled) in "first_call_s"; "host_us": the host time a repeat call with the function adds to
-the same call without it (wall clock of back-to-back calls on one small problem, per call).
+the same call without it (on one small problem, host time alone: batches of calls timed with the
+GPU synchronized between them, untimed, as bench/host_overhead.py times a call).
 Times are CUDA-event medians of --repeat runs over two input sets, the backward timed alone.
 Writes results.json (rewritten after every row) and prints the table: milliseconds, and the
 ratios "x flex" (flex's time over cuflash's) and "x built-in" (the built-in's over the function's).
@@ -185,27 +186,24 @@ def first_call_s(data, kwargs):
 
 
 def host_us(functions, calls=300):
-    """The wall time per call that the functions (a mask function as its block mask) add to the
-    same forward without them, on a problem small enough that the host sets the pace (B 1, H 2,
-    N 128, D 64)."""
+    """The host time per call that the functions (a mask function as its block mask) add to the
+    same forward without them, on a small problem (B 1, H 2, N 128, D 64), each timed as
+    bench/host_overhead.py times it: batches of calls with the GPU synchronized between them,
+    untimed, so that no kernel's time counts (a kernel longer than the host's time per call
+    would set the pace of a synchronized loop)."""
+    from host_overhead import host_us as per_call_us   # checks for a GPU when imported: only here
+
     rng = cupy.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 128, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
     builtin = {"causal": True} if "mask_mod" in functions else {}
     kwargs = dict(functions)
     if "mask_mod" in kwargs:   # (the gallery's mask functions read b at most through a clamped index)
         kwargs["block_mask"] = cuflash.block_mask(kwargs.pop("mask_mod"), (1, 1), 128, 128)
-
-    def per_call(kw):
+    for kw in (kwargs, builtin):   # (compiled and planned before the timing)
         for _ in range(20):
             cuflash.attention(q, k, v, **kw)
-        cupy.cuda.Device().synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            cuflash.attention(q, k, v, **kw)
-        cupy.cuda.Device().synchronize()
-        return (time.perf_counter() - start) / calls * 1e6
-
-    return per_call(kwargs) - per_call(builtin)
+    return (per_call_us(lambda: cuflash.attention(q, k, v, **kwargs), calls)
+            - per_call_us(lambda: cuflash.attention(q, k, v, **builtin), calls))
 
 
 def run_shape(dtype, d, n, args, names):
