@@ -325,9 +325,10 @@ def _backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
 
 def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal, window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad,
-                        dropout_p, seed, groups, check, deterministic):
+                        dropout_p, seed, groups, check, deterministic, reads=()):
     """The backward op's work, with the call's score and mask functions (`_Functions`) or None:
-    dq, dk, dv, dbias and dsinks, None where there is none."""
+    dq, dk, dv, dbias and dsinks, None where there is none, then the gradient of each tensor
+    score_mod captures whose id is in ``reads``."""
     packed, device = cu_seqlens_q is not None, q.device
     _refuse_capture(device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
@@ -351,7 +352,7 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
             bias_grad=bias_grad, **_keywords(array, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                              window_left, window_right, scale, softcap, alibi_slopes, sinks, bias,
                                              dropout_p, seed, groups, check),
-            **({} if functions is None else functions.keywords(array, device, groups)))
+            **({} if functions is None else functions.keywords(array, device, groups, reads)))
         if ready is not None:
             plan, used = _plans.backward(*arrays, causal, _window(window_left, window_right), scale, None,
                                          bool(deterministic), _api._mods(softcap, None, None))
@@ -362,8 +363,11 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
         # (the kernels' bias is a view of the caller's: its gradient, contiguous, is viewed back)
         dbias = tensor(grads.pop(0)).to(bias.dtype).reshape(bias.shape) if _wants_dbias(bias, bias_grad) else None
         dsinks = tensor(grads.pop(0)).to(torch.float32).reshape(sinks.shape) if sinks is not None else None
+        learnable = _trace.captured_values(functions.score_mod, _is_tensor) if reads else ()
+        by_id = {id(t): t for t in learnable}
+        dreads = tuple(tensor(g).to(by_id[i].dtype).reshape(by_id[i].shape) for i, g in zip(reads, grads))
     return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
-            _caller_rows(dv, packed, groups, grouped=False), dbias, dsinks)
+            _caller_rows(dv, packed, groups, grouped=False), dbias, dsinks, *dreads)
 
 
 def _gradients_as_given(plan, q, k, v) -> bool:
@@ -456,11 +460,12 @@ def _gradients(ctx, dout, bias_grad, backward_kernels):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, bias, seed = ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, softcap, dropout_p, groups, check,
      deterministic) = ctx.args
-    dq, dk, dv, dbias, dsinks = backward_kernels(
+    dq, dk, dv, dbias, dsinks, *dreads = backward_kernels(
         dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
         window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad, dropout_p, seed, groups,
         check, deterministic)
-    return dq, dk, dv, None if sinks is None else dsinks, dbias if _wants_dbias(bias, bias_grad) else None
+    return (dq, dk, dv, None if sinks is None else dsinks, dbias if _wants_dbias(bias, bias_grad) else None,
+            *dreads)
 
 
 def _backward(ctx, dout, _dlse):
@@ -484,10 +489,11 @@ class _Attention(torch.autograd.Function):
     (`_Functions`), which the op cannot take, or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, sinks, bias, inputs, functions):
+    def forward(ctx, q, k, v, alibi_slopes, sinks, bias, inputs, functions, *learnable):
         output = _attention_forward(functions, *inputs)
         _setup_context(ctx, inputs, output)
         ctx.functions = functions
+        ctx.learnable = tuple(map(id, learnable))   # (alive while the function that captures them is)
         # lse's gradient (it has none) not made as zeros on every backward: an allocation and a fill
         ctx.set_materialize_grads(False)
         return output
@@ -495,10 +501,12 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:   # (no gradient reached out: none flows back)
-            return (None,) * 8
-        kernels = functools.partial(_attention_backward, ctx.functions)
-        dq, dk, dv, dsinks, dbias = _gradients(ctx, dout, ctx.needs_input_grad[5], kernels)
-        return dq, dk, dv, None, dsinks, dbias, None, None
+            return (None,) * (8 + len(ctx.learnable))
+        wanted = tuple(i for i, need in zip(ctx.learnable, ctx.needs_input_grad[8:]) if need)
+        kernels = functools.partial(_attention_backward, ctx.functions, reads=wanted)
+        dq, dk, dv, dsinks, dbias, *dreads = _gradients(ctx, dout, ctx.needs_input_grad[5], kernels)
+        by_id = dict(zip(wanted, dreads))
+        return (dq, dk, dv, None, dsinks, dbias, None, None, *(by_id.get(i) for i in ctx.learnable))
 
 
 class _Functions:
@@ -506,7 +514,8 @@ class _Functions:
     on the backend's arrays: the tensors the functions capture rebound to those arrays (CuPy views
     of CUDA tensors, NumPy for CPU ones), and with grouped query heads, the kernels' batch indices
     (..., Hkv, G) turned back into the caller's query head (..., Hq). Each function's rebound and
-    grouped copies are kept (the last per function), so cuflash's trace of them is kept too."""
+    grouped copies are kept (the last per function), so cuflash's trace of them is kept too. The
+    tensors score_mod captures that require grad get their gradients (`learnable`)."""
 
     def __init__(self, score_mod, mask_mod, block_mask):
         # (a block mask carries its function: cuflash's check of the pair, before any rebinding)
@@ -518,25 +527,37 @@ class _Functions:
         return None if score_mod is None and mask_mod is None and block_mask is None else \
             _Functions(score_mod, mask_mod, block_mask)
 
-    def keywords(self, array, device, groups) -> dict:
-        """cuflash's keywords of the functions for a call on ``device``."""
+    def learnable(self) -> tuple:
+        """The tensors score_mod captures that require grad (none where autograd is off)."""
+        if self.score_mod is None or not torch.is_grad_enabled():
+            return ()
+        return tuple(t for t in _trace.captured_values(self.score_mod, _is_tensor) if t.requires_grad)
+
+    def keywords(self, array, device, groups, reads=()) -> dict:
+        """cuflash's keywords of the functions for a call on ``device``; ``reads``: the ids of
+        tensors score_mod captures whose gradients the backward returns (score_mod_grads)."""
         score_mod = _grouped(_on_backend(self.score_mod, array, device), groups, True)
         mask_mod = _grouped(_on_backend(self.mask_mod, array, device), groups, False)
+        grads = {}
+        if reads:   # (the arrays the rebound score_mod reads, by the tensors' ids)
+            made = _REBOUND[self.score_mod][2]
+            grads = dict(score_mod_grads=[made[i] for i in reads])
         if self.block_mask is None:
-            return dict(score_mod=score_mod, mask_mod=mask_mod)
+            return dict(score_mod=score_mod, mask_mod=mask_mod, **grads)
         kinds = self.block_mask.kinds
         if groups > 1 and kinds.ndim >= 3:   # (..., Hq) tiles as the kernels' (..., Hkv, G): a view
             kinds = kinds.reshape(kinds.shape[:-3] + ((1, 1) if kinds.shape[-3] == 1 else (-1, groups))
                                   + kinds.shape[-2:])
         return dict(score_mod=score_mod, block_mask=dataclasses.replace(self.block_mask, kinds=kinds,
-                                                                        mask_mod=mask_mod))
+                                                                        mask_mod=mask_mod), **grads)
 
 
 def _is_tensor(x) -> bool:
     return isinstance(x, Tensor)
 
 
-_REBOUND = weakref.WeakKeyDictionary()   # function -> (its captured tensors' identity, its rebound copy)
+# function -> (its captured tensors' identity, its rebound copy, the arrays it reads by the tensors' ids)
+_REBOUND = weakref.WeakKeyDictionary()
 
 
 def _on_backend(fn, array, device):
@@ -556,7 +577,13 @@ def _on_backend(fn, array, device):
                 for t in tensors)
     kept = _REBOUND.get(fn)
     if kept is None or kept[0] != key:
-        kept = _REBOUND[fn] = (key, _trace.rebind(fn, lambda t: array(t.detach()), _is_tensor))
+        made = {}   # (one array per tensor, however many closures capture it)
+
+        def replace(t):
+            if id(t) not in made:
+                made[id(t)] = array(t.detach())
+            return made[id(t)]
+        kept = _REBOUND[fn] = (key, _trace.rebind(fn, replace, _is_tensor), made)
     return kept[1]
 
 
@@ -648,7 +675,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     ``score_mod`` and ``mask_mod`` (eager mode only) are cuflash's score and mask functions, with
     one index per batch dim of the caller's layout (``(score, b, h, q_idx, kv_idx)``; packed:
     ``(score, h, q_idx, kv_idx)``, positions in the packed tensors), h the query head also with
-    ``enable_gqa``; the tensors they capture are read where they lie, and get no gradient.
+    ``enable_gqa``; the tensors they capture are read where they lie, and those score_mod captures
+    that require grad get their gradients (a learnable bias table, per-head slopes or caps),
+    through ``score_mod_grads`` of ``attention_backward``: cuflash.reference's for CPU tensors
+    (the GPU backward raises NotImplementedError for it yet).
     ``block_mask`` from `block_mask` (over the caller's heads) carries its ``mask_mod``.
 
     Returns out (B, Hq, N, Dv) or packed (total_q, Hq, Dv), and with ``return_lse`` also lse,
@@ -667,7 +697,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, left, right, scale, softcap,
               alibi_slopes, sinks, bias, dropout_p, seed, groups, check, deterministic)
     if _eager(q):
-        out, lse = _Attention.apply(q, k, v, alibi_slopes, sinks, bias, inputs, functions)
+        learnable = () if functions is None else functions.learnable()
+        out, lse = _Attention.apply(q, k, v, alibi_slopes, sinks, bias, inputs, functions, *learnable)
     elif functions is None:
         out, lse = _attention_fwd(*inputs)
     else:

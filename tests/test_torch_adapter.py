@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import requires_gpu
 
+import cuflash
 from cuflash import reference
 
 torch = pytest.importorskip("torch", reason="cuflash.torch needs PyTorch")
@@ -729,6 +730,55 @@ def test_cpu_block_mask_over_the_callers_heads():
     assert_all_close(got, want, 0.0)
     with pytest.raises(ValueError, match="mask_mod"):
         ct.attention(q, k, v, enable_gqa=True, block_mask=bm, mask_mod=lambda b, h, i, j: j <= i)
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_tensors_a_score_function_captures_get_their_gradients(hq, hkv, table_dtype):
+    """A learnable relative-position table (float32 or bfloat16) and per-head gains that require
+    grad, captured by score_mod (the table by two closures): loss.backward() gives them, and q, k,
+    v, the gradients of the same attention written in torch ops (float64, autograd), with
+    enable_gqa too; loss.backward() fills their .grad, and none of a captured tensor that does not
+    require grad or that only the mask function reads."""
+    b, nq, nk, d, reach = 2, 7, 9, 8, 3
+    q, k, v = qkv(b, hq, hkv, nq, nk, d, grad=True)
+    dout = make((b, hq, nq, d), seed=4)
+    table = make((hq, 2 * reach + 1), dtype=table_dtype, grad=True, seed=5)
+    gain = (1 + 0.2 * make((hq,), seed=6)).to(torch.float32).detach().requires_grad_()
+    frozen = make((hq,), dtype=torch.float32, seed=7)
+    docs = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2], dtype=torch.float32, requires_grad=True)
+
+    def bias(h, i, j):
+        return table[h, cuflash.minimum(cuflash.maximum(j - i, -reach), reach) + reach]
+
+    def score_mod(s, bb, h, i, j):
+        return s * gain[h] + bias(h, i, j) + frozen[h] + 0.5 * table[h, 0]
+
+    def mask_mod(bb, h, i, j):
+        return (docs[cuflash.minimum(i, 8)] == docs[j]) | (j <= i)
+
+    out = ct.attention(q, k, v, enable_gqa=hq != hkv, score_mod=score_mod, mask_mod=mask_mod)
+    got = torch.autograd.grad(out, (q, k, v, table, gain), dout)
+
+    kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    heads = torch.arange(hq)[:, None, None]
+    rel = table.double()[heads, (j - i).clamp(-reach, reach) + reach]
+    scores = (q @ kk.transpose(-1, -2)) / d ** 0.5
+    scores = scores * gain.double()[:, None, None] + rel + frozen.double()[:, None, None] \
+        + 0.5 * table.double()[:, 0, None, None]
+    allowed = (docs[i.clamp(max=8)] == docs[j]) | (j <= i)
+    want_out = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vv
+    want = torch.autograd.grad(want_out, (q, k, v, table, gain), dout)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=CPU_TOL)
+    for name, g, w in zip(("dq", "dk", "dv", "dtable", "dgain"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        tol = CPU_TOL if g.dtype != torch.bfloat16 else 2**-7 * w.abs().max().item()
+        torch.testing.assert_close(g.double(), w.double(), rtol=0, atol=tol, msg=name)
+    # loss.backward() fills .grad of what score_mod reads, and only of that
+    (ct.attention(q, k, v, enable_gqa=hq != hkv, score_mod=score_mod, mask_mod=mask_mod) * dout).sum().backward()
+    assert docs.grad is None and frozen.grad is None
+    assert torch.equal(table.grad, got[3]) and torch.equal(gain.grad, got[4])
 
 
 def test_cpu_functions_are_rebound_once_and_refused_where_the_op_runs():
