@@ -3,7 +3,6 @@ and laid out as the kernels read them (kernels/attention/score_path.cuh)."""
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from dataclasses import dataclass
 

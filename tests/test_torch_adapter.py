@@ -241,7 +241,7 @@ def test_cpu_views_in_the_bnhd_layout():
 
 
 def test_cpu_packed_sequences_match_sdpa_per_sequence():
-    lens_q, lens_k, hq, hkv = (5, 9, 3), (7, 9, 4), 4, 2
+    hq, hkv = 4, 2   # sequences of (5, 9, 3) queries and (7, 9, 4) keys
     cu_q = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
     cu_k = torch.tensor([0, 7, 16, 20], dtype=torch.int32)
     q = make((17, hq, 16), seed=1, grad=True)
