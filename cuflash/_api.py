@@ -196,7 +196,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
 
     Recomputes the scores block by block from q, k and the forward's ``lse``;
     extra device memory is O(N). Deterministic by default: the same inputs give
-    bitwise identical gradients.
+    bitwise identical gradients (all but those of ``score_mod_grads``).
 
     Parameters
     ----------
@@ -206,9 +206,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     softcap, bias, alibi_slopes, sinks, dropout_p, seed, score_mod, mask_mod, block_mask
         As given to ``attention`` (dropout's mask is made again from the seed). ``score_mod``'s
         derivative with respect to the score is taken symbolically (docs/contract.md).
-    score_mod_grads : None
-        The gradients of arrays ``score_mod`` captures: cuflash.reference.attention_backward
-        takes them; here anything but None raises NotImplementedError.
+    score_mod_grads : sequence of cupy.ndarray, optional
+        Float arrays that ``score_mod`` reads from its global or closure variables: also return
+        the gradient of each, through every read of it (added up in float32 by atomic adds, so
+        their last bits may differ between calls, ``deterministic`` or not).
     bias_grad : bool
         With ``bias``, also return its gradient ``dbias``.
     out, lse : cupy.ndarray
@@ -234,6 +235,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         order). It takes a float32 buffer of broadcast(batch dims) + (Nq, Nk).
     dsinks : cupy.ndarray, float32, the shape of sinks
         Only with ``sinks``: summed over the dims they were broadcast along.
+    d(score_mod_grads) : cupy.ndarray
+        One per array of ``score_mod_grads``, in order, each of that array's shape and dtype.
 
     See Also
     --------
@@ -246,8 +249,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     dropout_p, seed = _checks.check_dropout(dropout_p, seed)
     mods = _mods(softcap, alibi_slopes, sinks, bias, dropout_p)
     want_dbias = bias is not None and bias_grad
-    user = _user_functions(score_mod, mask_mod, block_mask, q, k, v)
-    _user.check_backward(score_mod, score_mod_grads, want_dbias and softcap is not None)
+    user, grad_slots = _user.with_gradients(_user_functions(score_mod, mask_mod, block_mask, q, k, v), score_mod_grads)
+    _user.check_backward(score_mod, want_dbias and softcap is not None)
     plan, (q, k, v, out, lse, dout, cu_q, cu_k) = _plans.backward(dout, q, k, v, out, lse, causal, window, scale,
                                                                    packed, bool(deterministic), mods, user)
     _checks.check_block_mask_fits(block_mask, plan.shapes[3][:-1], plan.shapes[3][-1], orig[1].shape[-2])
@@ -264,8 +267,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
             entries = _per_entry(cupy, mods, plan.shapes[3][:-1])
             # (the dq pass writes dS where the band reaches; 0 elsewhere)
             dbias = cupy.zeros(plan.shapes[3] + plan.shapes[1][-2:-1], dtype=cupy.float32) if want_dbias else None
+            read_grads = [cupy.zeros(user.arrays[slot].shape, dtype=cupy.float32) for slot in user.grads] if user else []
             user_args = None if user is None else _user.arguments(cupy, user, plan.shapes[3][:-1], plan.device,
-                                                                   block_mask)
+                                                                   block_mask, read_grads if read_grads else None)
             arrays = (q, k, v, out, lse, cu_q, cu_k, tiles[0], *entries, bias, seed or 0, user_args, tiles[1], dout,
                       delta, dq if sums is None else sums, dk, dv, dbias)
             for launch in plan.launches.runs:
@@ -278,13 +282,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
         if want_dbias:
             grads += (_checks.sum_to_shape(dbias, bias.shape).astype(bias.dtype) if plan.launches.runs
                       else cupy.zeros(bias.shape, dtype=bias.dtype),)
-        if sinks is None:
-            return grads
-        if plan.launches.runs:
-            dsinks = _score_mods.dsinks(cupy, entries[1], sinks.shape, lse, delta)
-        else:   # no query, or no key: every row's out is 0, so nothing reaches the sinks
-            dsinks = cupy.zeros(sinks.shape, dtype=cupy.float32)
-        return grads + (dsinks,)
+        if sinks is not None:
+            if plan.launches.runs:
+                grads += (_score_mods.dsinks(cupy, entries[1], sinks.shape, lse, delta),)
+            else:   # no query, or no key: every row's out is 0, so nothing reaches the sinks
+                grads += (cupy.zeros(sinks.shape, dtype=cupy.float32),)
+        if grad_slots is not None:   # (nothing reaches them without a launch)
+            by_slot = dict(zip(user.grads, read_grads)) if plan.launches.runs else {}
+            arrays = user.arrays
+            grads += tuple(by_slot[slot].astype(arrays[slot].dtype) if slot in by_slot
+                           else cupy.zeros(arrays[slot].shape, dtype=arrays[slot].dtype) for slot in grad_slots)
+        return grads
 
 
 def _sum_split(cupy, g, x):
@@ -308,23 +316,24 @@ def _gradient_of(cupy, g, x):
 def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, check=True,
                   deterministic=True, softcap=None, bias=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                  seed=None, bias_grad=False, score_mod=None, mask_mod=None, block_mask=None):
+                  seed=None, bias_grad=False, score_mod=None, mask_mod=None, block_mask=None, score_mod_grads=None):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     For people writing their own autodiff: ``out, vjp = attention_vjp(q, k, v)``
     runs ``attention`` and keeps only what the backward needs (q, k, v, out
     and the per-row logsumexp, O(N) extra); ``dq, dk, dv = vjp(dout)`` then
     runs ``attention_backward``. The closure may be called more than once. The
-    keywords are those of ``attention``, and ``deterministic`` and ``bias_grad`` those of
-    ``attention_backward``.
+    keywords are those of ``attention``, and ``deterministic``, ``bias_grad`` and
+    ``score_mod_grads`` those of ``attention_backward``.
 
     Returns
     -------
     out : cupy.ndarray
         As from ``attention``.
     vjp : callable
-        ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v (and dbias and
-        dsinks after them, as ``attention_backward`` returns them).
+        ``vjp(dout) -> (dq, dk, dv)``, with the shapes and dtypes of q, k, v (and dbias,
+        dsinks and the gradients of score_mod_grads after them, as ``attention_backward``
+        returns them).
     """
     mask = {"causal": causal, "window": window, "scale": scale, "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
@@ -332,14 +341,17 @@ def attention_vjp(q, k, v, *, causal=False, window=None, scale=None,
             "dropout_p": dropout_p, "seed": seed, "score_mod": score_mod, "mask_mod": mask_mod,
             "block_mask": block_mask}
     _checks.check_flag("bias_grad", bias_grad)
-    _user.check_backward(score_mod, None, bias is not None and bias_grad and softcap is not None)
+    _user.check_backward(score_mod, bias is not None and bias_grad and softcap is not None)
+    if score_mod_grads is not None:   # (its errors before the forward's launch)
+        _user.with_gradients(_user_functions(score_mod, mask_mod, block_mask, q, k, v), score_mod_grads)
     if score_mod is not None or mask_mod is not None or block_mask is not None:
         _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, cu_seqlens_q is not None,
-                               bias is not None or bool(dropout_p))
+                               bias is not None or bool(dropout_p), bool(score_mod_grads))
     out, lse = attention(q, k, v, return_lse=True, **mask)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, bias_grad=bias_grad, **mask)
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, bias_grad=bias_grad,
+                                  score_mod_grads=score_mod_grads, **mask)
 
     return out, vjp
 
@@ -351,19 +363,21 @@ BACKWARDS_ASKED = 4096
 _backwards_asked: set = set()
 
 
-def _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, packed: bool, bias_dropout: bool) -> None:
+def _compile_backward_soon(q, k, v, score_mod, mask_mod, block_mask, packed: bool, bias_dropout: bool,
+                           grads: bool) -> None:
     """Starts compiling the backward's kernels with the call's functions on other threads, so
     that a first forward and backward takes about the longest of the three compiles rather than
-    their sum. Inputs or functions that `attention` refuses are left to it (it raises)."""
+    their sum (``grads``: the backward adds the gradients of the score function's arrays).
+    Inputs or functions that `attention` refuses are left to it (it raises)."""
     try:
         user = _user_functions(score_mod, mask_mod, block_mask, q, k, v)
         device = q.device
-        key = (device.id, q.dtype, q.shape[-1], v.shape[-1], packed, bias_dropout, user.source.key)
+        key = (device.id, q.dtype, q.shape[-1], v.shape[-1], packed, bias_dropout, grads, user.source.key)
         if key in _backwards_asked:
             return
         with device:
             _dispatch.compile_user_backward_soon(q.dtype.name, q.shape[-1], v.shape[-1], packed, user.source,
-                                                 bias_dropout)
+                                                 bias_dropout, grads)
     except (AttributeError, KeyError, TypeError, ValueError):
         return
     if len(_backwards_asked) >= BACKWARDS_ASKED:

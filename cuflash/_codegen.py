@@ -301,10 +301,12 @@ def user_mods_source(score: Traced | None, mask: Traced | None) -> Source:
     each float read of the score function to ``grads[slot]`` (a contiguous float32 gradient of
     the array in that slot, or null: none asked) at the element it reads; and
     ``CUFLASH_USER_SCORE``, ``CUFLASH_USER_MASK`` and ``CUFLASH_USER_READS``: 1 where there is a
-    score function, a mask function, and the number of reads a gradient reaches."""
+    score function, a mask function, and the number of reads a gradient reaches;
+    ``CUFLASH_USER_ARRAYS``: the descriptors in ``arrays`` (`descriptors`: one without any)."""
     reads = () if score is None else score.reads
+    slots = sum(len(t.captures) for t in (score, mask) if t is not None)
     text = (f"#define CUFLASH_USER_SCORE {int(score is not None)}\n#define CUFLASH_USER_MASK {int(mask is not None)}\n"
-            f"#define CUFLASH_USER_READS {len(reads)}\n")
+            f"#define CUFLASH_USER_READS {len(reads)}\n#define CUFLASH_USER_ARRAYS {max(slots, 1)}\n")
     indices = "long long q_idx, long long kv_idx, const cuflash_array* arrays"
     unused = "    (void)entry; (void)shape; (void)q_idx; (void)kv_idx; (void)arrays;\n"
     if score is not None:

@@ -112,38 +112,42 @@ def _scores_of(x) -> tuple[str, bool]:
     return (FULL, True) if scores == USER else (scores, False)
 
 
-def _function(name: str, smem: int, x, user: bool):
+def _function(name: str, smem: int, x, user: bool, grads: bool = False):
     """The compiled kernel of name expression ``name``; with ``user`` (a FULL name), its
-    UserScores twin compiled after the call's functions."""
+    UserScores twin compiled after the call's functions (``grads``: the dq pass's that adds the
+    gradients of the score function's arrays)."""
     if not user:
         return _compile.get_function(name, smem)
-    return _compile.get_function(_user_name(name, x), smem, x.user.source)
+    return _compile.get_function(_user_name(name, x, grads), smem, x.user.source)
 
 
-def _user_name(name: str, x) -> str:
+def _user_name(name: str, x, grads: bool = False) -> str:
     """The UserScores twin of FULL kernel ``name`` for call ``x`` (`user_kernel_name`)."""
     packed = getattr(x, "packed", None) is not None   # (the KV cache: never packed)
-    return user_kernel_name(name, packed, x.mods is not None and x.mods.full)
+    return user_kernel_name(name, packed, x.mods is not None and x.mods.full, grads)
 
 
-def user_kernel_name(name: str, packed: bool, bias_dropout: bool) -> str:
+def user_kernel_name(name: str, packed: bool, bias_dropout: bool, grads: bool = False) -> str:
     """The UserScores twin of FULL kernel ``name``: with the bias's and dropout's code where the
     call has either, and for packed sequences (without dropout's code the sm_80 forward spilled 8
-    bytes)."""
-    return user_name(name, packed or bias_dropout)
+    bytes); ``grads``: a dq pass adding the gradients of the arrays the score function reads."""
+    return user_name(name, packed or bias_dropout, grads)
 
 
-def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, source, bias_dropout: bool) -> None:
+def compile_user_backward_soon(dtype_name: str, d: int, dv: int, packed: bool, source, bias_dropout: bool,
+                               grads: bool = False) -> None:
     """Starts compiling the dk/dv and dq kernels of a backward with the generated functions
     ``source`` on other threads (`_compile.compile_soon`), the names `backward_launches` takes
-    (``bias_dropout``: for a call with a bias or dropout)."""
+    (``bias_dropout``: for a call with a bias or dropout; ``grads``: with score_mod_grads)."""
     head_dim = head_dim_bucket(d, dv)
-    sm90 = sm90_bwd_tiles(dtype_name, head_dim, scores=FULL, packed=packed) if _compile.current_arch() == "sm_90a" else None
+    sm90 = (sm90_bwd_tiles(dtype_name, head_dim, scores=FULL, packed=packed, score_grads=grads)
+            if _compile.current_arch() == "sm_90a" else None)
     if sm90 is not None:   # (FULL's Hopper tiles depend on neither the queries nor determinism)
-        names = sm90_bwd_names(dtype_name, sm90, packed, FULL)
+        dkdv, dq = sm90_bwd_names(dtype_name, sm90, packed, FULL)
     else:
-        names = bwd_names(dtype_name, bwd_tiles(dtype_name, head_dim, FULL, packed), packed, FULL)[1:]
-    _compile.compile_soon([user_kernel_name(n, packed, bias_dropout) for n in names], source)
+        dkdv, dq = bwd_names(dtype_name, bwd_tiles(dtype_name, head_dim, FULL, packed), packed, FULL)[1:]
+    _compile.compile_soon([user_kernel_name(dkdv, packed, bias_dropout),
+                           user_kernel_name(dq, packed, bias_dropout, grads)], source)
 
 
 def forward_launches(x) -> Launches:
@@ -231,7 +235,8 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     queries = x.nq / x.packed.num_seqs if x.packed and x.packed.num_seqs else x.nq   # per sequence (the mean)
     in_order = deterministic or not _dq_in_any_order(x)
     scores, user = _scores_of(x)
-    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, in_order, scores, x.packed is not None)
+    grads = user and bool(x.user.grads)   # (score_mod_grads: the dq pass adds them)
+    sm90 = (sm90_bwd_tiles(x.dtype_name, head_dim, queries, in_order, scores, x.packed is not None, grads)
             if _compile.current_arch() == "sm_90a" else None)
     if sm90 is not None:
         dkdv_name, dq_name = sm90_bwd_names(x.dtype_name, sm90, x.packed is not None, scores)
@@ -255,12 +260,12 @@ def backward_launches(x, deterministic: bool = True) -> Launches:
     dq_blocks, q_capacity = _row_blocks(x, dq_res, False, x.batch_size)
     dkdv_blocks, k_capacity = _row_blocks(x, dkdv_res, True, layout.entries)
     if user:   # (dq compiles on another thread while dk/dv compiles here)
-        _compile.compile_soon((_user_name(dq_name, x),), x.user.source)
+        _compile.compile_soon((_user_name(dq_name, x, grads),), x.user.source)
     dkdv = Launch(_function(dkdv_name, dkdv_smem, x, user), (dkdv_blocks, dkdv_cols), dkdv_threads, dkdv_smem,
                   dkdv_params, DKDV_FIELDS)
     adds_dq = sm90 is not None and sm90.dkdv_adds_dq   # then no dq pass: delta first, and dq in float32 sums
     if not adds_dq:
-        dq = Launch(_function(dq_name, dq_smem, x, user), (dq_blocks, dq_cols), threads, dq_smem, dq_params,
+        dq = Launch(_function(dq_name, dq_smem, x, user, grads), (dq_blocks, dq_cols), threads, dq_smem, dq_params,
                     DQ_FIELDS)
     if sm90 is None or adds_dq:
         delta = Launch(_compile.get_function(delta_name(x.dtype_name), 0), (-(-x.batch_size * x.nq // 4),), 128, 0,

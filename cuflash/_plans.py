@@ -160,7 +160,7 @@ def backward(dout, q, k, v, out, lse, causal, window, scale, packed=None, determ
     of a backward call. A plan without launches (no query or no key) stands for zero gradients."""
     arrays = (q, k, v, out, lse, dout)
     key = _signature("bwd" if deterministic else "bwd, any order", arrays, causal, window, scale, packed,
-                     (mods and _mods.key(*mods), user and user.source.key))
+                     (mods and _mods.key(*mods), user and (user.source.key, user.grads)))
     plan = _plans.get(key)
     if plan is not None:
         return plan, arrays + ((packed["cu_seqlens_q"], packed["cu_seqlens_k"]) if packed else (None, None))

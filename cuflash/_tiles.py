@@ -50,10 +50,12 @@ SCORE_PATHS = {PLAIN: "cuflash::PlainScores", MODIFIED: "cuflash::ModifiedScores
 USER = "user"
 
 
-def user_name(full_name: str, bias_dropout: bool = False) -> str:
+def user_name(full_name: str, bias_dropout: bool = False, grads: bool = False) -> str:
     """The UserScores kernel of a FULL kernel's name expression; ``bias_dropout``: with the bias's
-    and dropout's code (a call that has either)."""
-    return full_name.replace(SCORE_PATHS[FULL], f"cuflash::UserScores<{_flag(bias_dropout)}>")
+    and dropout's code (a call that has either); ``grads``: adding the gradients of the arrays the
+    score function reads (a dq pass's, for score_mod_grads)."""
+    path = f"{_flag(bias_dropout)}, true" if grads else _flag(bias_dropout)
+    return full_name.replace(SCORE_PATHS[FULL], f"cuflash::UserScores<{path}>")
 DECODE_SCORE_PATHS = (PLAIN, MODIFIED)
 
 
@@ -408,7 +410,8 @@ SM90_WS_BWD_MIN_QUERIES_D64 = 2048
 
 
 def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_MIN_QUERIES_D64,
-                   deterministic: bool = True, scores: str = PLAIN, packed: bool = False) -> Sm90BwdTiles | None:
+                   deterministic: bool = True, scores: str = PLAIN, packed: bool = False,
+                   score_grads: bool = False) -> Sm90BwdTiles | None:
     """The Hopper backward tiles for (dtype, head-dim bucket, query rows per sequence), or
     None (as sm90_fwd_tiles), by measurement (docs/design.md, "Backward").
 
@@ -424,12 +427,13 @@ def sm90_bwd_tiles(dtype_name: str, head_dim: int, queries: float = SM90_WS_BWD_
     gradient). The FULL ones (a bias, dropout, a call's own functions) run both passes without a
     loading warpgroup on two stages, at head dims 64 and 128 only: they skip the steps a block mask
     leaves empty, which a gradient product carried into the next step (three stages) would not
-    survive."""
+    survive. Adding the gradients of a score function's arrays (``score_grads``), the dq pass at
+    64 spilled 216 bytes (packed 108): those calls run the portable passes there."""
     modified = scores == MODIFIED
     if dtype_name == "float32" or head_dim % 64 or head_dim == 192:
         return None
     if scores == FULL:
-        if head_dim == 256:
+        if head_dim == 256 or (head_dim == 64 and score_grads):
             return None
         if head_dim == 64:
             return Sm90BwdTiles(64, step=64, warpgroups=1, stages=2, min_blocks=2)

@@ -653,6 +653,30 @@ def _walked(fn) -> tuple[_Kept, list]:
     return kept, arrays
 
 
+def gradient_slots(traced: Traced | None, arrays, wanted) -> tuple:
+    """The slot of each array of ``wanted`` (a call's ``score_mod_grads``) among ``arrays``, the
+    arrays the score function ``traced`` reads now in its slots: ValueError without a score
+    function, TypeError for an array it does not read (from a global or closure variable) or one
+    that is not float. None for None."""
+    if wanted is None:
+        return None
+    if traced is None:
+        raise ValueError("score_mod_grads needs a score_mod")
+    if isinstance(wanted, (str, bytes)) or not hasattr(wanted, "__iter__") or hasattr(wanted, "shape"):
+        raise TypeError(f"score_mod_grads must be a sequence of arrays, got {type(wanted).__name__}")
+    slots = []
+    for i, x in enumerate(wanted):
+        slot = next((s for s, a in enumerate(arrays) if a is x), None)
+        if slot is None:
+            raise TypeError(f"score_mod_grads[{i}] is not an array that score_mod reads from a global or closure "
+                            "variable")
+        capture = traced.captures[slot]
+        if capture.kind != "float":
+            raise TypeError(f"score_mod_grads[{i}] ({capture.path}) has dtype {capture.dtype}: no gradient")
+        slots.append(slot)
+    return tuple(slots)
+
+
 def captured_arrays(fn, traced: Traced) -> list:
     """The arrays ``fn`` reads now, in ``traced``'s slots (``traced`` from `trace` of the same call:
     their dtypes and shapes are the traced ones, their data are read here, never kept)."""

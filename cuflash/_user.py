@@ -16,8 +16,9 @@ from . import _codegen, _trace
 class UserMods:
     """The functions of a call and their traces (None where absent), the generated source the
     kernels are compiled with (its ``key`` part of the call's plan), and the arrays the functions
-    read at this call (the score function's, then the mask function's, in their traces' slots).
-    Made per call, never changed."""
+    read at this call (the score function's, then the mask function's, in their traces' slots);
+    ``grads``: the slots of the score function's arrays whose gradients a backward adds up
+    (score_mod_grads; `with_gradients`). Made per call, never changed."""
 
     score_mod: object
     mask_mod: object
@@ -25,6 +26,7 @@ class UserMods:
     mask: _trace.Traced | None
     source: _codegen.Source
     arrays: tuple = ()
+    grads: tuple = ()
 
 
 _sources: dict = {}   # ids of (score trace, mask trace) -> (the traces, their source), made once
@@ -44,13 +46,23 @@ def trace(score_mod, mask_mod, batch_dims: int) -> UserMods | None:
     return UserMods(score_mod, mask_mod, score, mask, kept[2], (*score_arrays, *mask_arrays))
 
 
-def check_backward(score_mod, score_mod_grads, dbias_under_softcap: bool) -> None:
+def with_gradients(user: UserMods | None, score_mod_grads) -> tuple:
+    """(``user`` asking for the gradients of the arrays of ``score_mod_grads``, each slot once,
+    and the slot of each of those arrays), from `_trace.gradient_slots` (its errors); (``user``,
+    None) without any."""
+    traced = None if user is None else user.score
+    slots = _trace.gradient_slots(traced, () if traced is None else user.arrays[:len(traced.captures)],
+                                  score_mod_grads)
+    if not slots:
+        return user, slots
+    return UserMods(user.score_mod, user.mask_mod, user.score, user.mask, user.source, user.arrays,
+                    tuple(dict.fromkeys(slots))), slots
+
+
+def check_backward(score_mod, dbias_under_softcap: bool) -> None:
     """What the GPU backward does not take yet with the call's functions (NotImplementedError;
-    cuflash.reference takes both): gradients of captured arrays, and dbias under softcap with a
-    score function (the kernels keep one factor per score, score_mod's times softcap's)."""
-    if score_mod_grads is not None:
-        raise NotImplementedError("cuflash.attention_backward does not take score_mod_grads yet "
-                                  "(cuflash.reference.attention_backward does)")
+    cuflash.reference takes it): dbias under softcap with a score function (the kernels keep
+    one factor per score, score_mod's times softcap's)."""
     if score_mod is not None and dbias_under_softcap:
         raise NotImplementedError("cuflash.attention_backward does not give dbias (bias_grad=True) with both "
                                   "softcap and score_mod yet (cuflash.reference.attention_backward does)")
@@ -66,11 +78,14 @@ ARGUMENTS_KEPT = 1024
 _arguments: dict = {}
 
 
-def arguments(cupy, user: UserMods, batch_shape, device: int, block_mask=None):
+def arguments(cupy, user: UserMods, batch_shape, device: int, block_mask=None, grads=None):
     """The kernels' user_args for a call over ``batch_shape``: the shape in `_trace.MAX_DIMS`
     words, the block mask's (`block_layout`), then the descriptors of the arrays the functions
     capture (the score function's first), on the device (made once per distinct words, up to
-    `ARGUMENTS_KEPT` of them); TypeError for a captured array or a block mask not on ``device``."""
+    `ARGUMENTS_KEPT` of them); TypeError for a captured array or a block mask not on ``device``.
+    ``grads``: with score_mod_grads, the float32 gradient of each slot of ``user.grads`` (contiguous,
+    each of its array's shape), whose pointers follow the descriptors, one per slot of the score
+    function's arrays (0 for the others); such words are made for the call alone."""
     arrays = user.arrays
     if arrays:
         scored = 0 if user.score is None else len(user.score.positions)
@@ -78,17 +93,27 @@ def arguments(cupy, user: UserMods, batch_shape, device: int, block_mask=None):
             if traced is not None:
                 _trace.check_devices(traced, captured, device)
     blocks = block_mask_layout(block_mask, device)
+    if grads is not None:
+        pointers = np.zeros(len(user.score.captures), dtype=np.int64)
+        for slot, g in zip(user.grads, grads):
+            pointers[slot] = g.data.ptr
+        return cupy.asarray(np.concatenate([_words(user, batch_shape, blocks), pointers]))
     # (what the words are made of, without making them: a pointer, shape and strides per array)
     key = (device, tuple(batch_shape), blocks, *[(_codegen.data_pointer(a), a.shape, a.strides) for a in arrays])
     kept = _arguments.get(key)
     if kept is None:
-        shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
-        shape[:len(batch_shape)] = batch_shape
-        words = _NO_BLOCK_MASK if blocks is None else block_layout(*blocks, batch_shape)
-        kept = cupy.asarray(np.concatenate([shape, words, _codegen.descriptors(arrays).view(np.int64)]))
+        kept = cupy.asarray(_words(user, batch_shape, blocks))
         if len(_arguments) < ARGUMENTS_KEPT:   # (setdefault: one array per key, whichever thread comes first)
             kept = _arguments.setdefault(key, kept)
     return kept
+
+
+def _words(user: UserMods, batch_shape, blocks) -> np.ndarray:
+    """`arguments`' words on the host, up to the arrays' descriptors."""
+    shape = np.zeros(_trace.MAX_DIMS, dtype=np.int64)
+    shape[:len(batch_shape)] = batch_shape
+    words = _NO_BLOCK_MASK if blocks is None else block_layout(*blocks, batch_shape)
+    return np.concatenate([shape, words, _codegen.descriptors(user.arrays).view(np.int64)])
 
 
 BLOCK_WORDS = 7 + _trace.MAX_DIMS   # kernels/user/block_tiles.cuh: cf_block_mask

@@ -40,7 +40,7 @@ from ._checks import (
     host_cache_seqlens, kvcache_lengths, kvcache_shapes, merge_parts, packed_sequences, sum_to_shape,
 )
 from ._mask import block_allowed, block_needs_mask, key_range, normalize_window
-from ._trace import HostFunction, captured_arrays, index_grids
+from ._trace import HostFunction, captured_arrays, gradient_slots, index_grids
 
 __all__ = [
     "BlockMask", "attention", "attention_backward", "attention_kvcache", "block_mask", "dropout_keep",
@@ -584,35 +584,27 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
 
 def _score_mod_grads(score_mod: HostFunction | None, arrays) -> list:
     """(gradient, slot) of each array of ``score_mod_grads``: zeros of its shape, filled by
-    `_backward`; TypeError for an array that score_mod does not read or that is not float."""
+    `_backward` (`gradient_slots`' errors)."""
     if arrays is None:
         return []
-    if score_mod is None:
-        raise ValueError("score_mod_grads needs a score_mod")
-    captured = captured_arrays(score_mod.fn, score_mod.traced)
-    found = []
-    for i, x in enumerate(arrays):
-        slot = next((s for s, a in enumerate(captured) if a is x), None)
-        if slot is None:
-            raise TypeError(f"score_mod_grads[{i}] is not an array that score_mod reads from a global or closure "
-                            "variable")
-        capture = score_mod.traced.captures[slot]
-        if capture.kind != "float":
-            raise TypeError(f"score_mod_grads[{i}] ({capture.path}) has dtype {capture.dtype}: no gradient")
-        found.append((np.zeros(np.shape(x)), slot))
-    return found
+    captured = None if score_mod is None else captured_arrays(score_mod.fn, score_mod.traced)
+    slots = gradient_slots(None if score_mod is None else score_mod.traced, captured, arrays)
+    return [(np.zeros(np.shape(x)), slot) for x, slot in zip(arrays, slots)]
 
 
 def _add_score_mod_grads(path: _ScorePath, mod_grads, ds, modded):
     """Adds ``ds`` (the gradient of the scores after score_mod) times d(score_mod) / d(read) at
-    each (clamped) element that each read of the arrays in ``mod_grads`` reads."""
+    each (clamped) element that each read of the arrays in ``mod_grads`` reads; a score whose ds
+    is 0 (a refused key, p 0) adds nothing, whatever the derivative there."""
     s, grids, _ = modded
     for grad, slot in mod_grads:
         for r in path.score_mod.traced.reads:
             if r.slot == slot:
                 d, *index = path.score_mod.evaluate([r.derivative, *r.node.args], s, grids)
                 index = [np.clip(i, 0, n - 1) for i, n in zip(index, grad.shape)]
-                np.add.at(grad, tuple(np.broadcast_arrays(*index, ds)[:-1]), ds * d)
+                with np.errstate(invalid="ignore"):
+                    added = np.where(ds != 0, ds * d, 0.0)
+                np.add.at(grad, tuple(np.broadcast_arrays(*index, ds)[:-1]), added)
 
 
 def _backward(dout, q, k, v, out, lse, q0=0, k0=0, *, path: _ScorePath, mod_grads=()):

@@ -815,8 +815,9 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
     warning; the forwards (the portable one, and on sm_90a the one with a loading warpgroup at
     head dims 64 and 128, through tensor maps and not) and the decoding kernels (64 and 128,
     contiguous and paged) with no spill, the backwards (portable, and on sm_90a the Hopper
-    passes at 64 and 128) with at most 16 bytes. The Hopper and decoding kernels in bfloat16
-    alone (float16's differ only in the element type), to keep CI's test step short."""
+    passes at 64 and 128, and the dq passes that add the table's gradient: the portable ones, and
+    the Hopper one at 128) with at most 16 bytes. The Hopper, decoding and gradient-adding kernels
+    in bfloat16 alone (float16's differ only in the element type), to keep CI's test step short."""
     import json
 
     from cuflash import _tiles
@@ -835,6 +836,8 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
             # (with a bias's and dropout's code: packed, and dense bfloat16 too)
             extras = (True,) if packed else (False, True) if dtype == "bfloat16" else (False,)
             names += [_tiles.user_name(name, bd) for name in (fwd, *bwd) for bd in extras]
+            if dtype == "bfloat16":   # the dq pass that adds the table's gradient (score_mod_grads)
+                names += [_tiles.user_name(bwd[1], bd, grads=True) for bd in extras]
             for head_dim in (64, 128) if arch == "sm_90a" and dtype == "bfloat16" else ():   # (Hopper: one type)
                 ws = _tiles.sm90_ws_fwd_tiles(dtype, head_dim, scores=_tiles.FULL)
                 loaders = [ws.without_maps()] + ([] if packed else [dataclasses.replace(ws, tma=True)])
@@ -843,6 +846,9 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
                 hopper_bwd = _tiles.sm90_bwd_tiles(dtype, head_dim, scores=_tiles.FULL, packed=packed)
                 names += [_tiles.user_name(n, bd) for n in _tiles.sm90_bwd_names(dtype, hopper_bwd, packed, _tiles.FULL)
                           for bd in extras]
+                if _tiles.sm90_bwd_tiles(dtype, head_dim, scores=_tiles.FULL, packed=packed, score_grads=True):
+                    dq = _tiles.sm90_bwd_names(dtype, hopper_bwd, packed, _tiles.FULL)[1]
+                    names += [_tiles.user_name(dq, bd, grads=True) for bd in extras]
         for head_dim in (64, 128) if dtype == "bfloat16" else ():   # decoding: a contiguous cache, pages of 16
             for page in (None, 16):
                 decode = _tiles.decode_tiles(head_dim, 4, 2, page)
@@ -907,10 +913,63 @@ def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
     assert len(FakeCupy.copies) == 6
 
 
+def test_a_backward_with_score_mod_grads_passes_its_gradients_after_the_descriptors(monkeypatch):
+    """_user.with_gradients takes the arrays of score_mod_grads by identity among the score
+    function's (each slot once, their slots in the call's order) and refuses what has no
+    gradient as the reference does; _user.arguments then puts a pointer per slot of the score
+    function's arrays after every descriptor (the mask function's too: kernels/user/user_scores.cuh
+    reads them at CUFLASH_USER_ARRAYS), 0 where none is asked, in words made for the call alone."""
+    from types import SimpleNamespace
+
+    from cuflash import _user
+
+    class FakeCupy:
+        copies = []
+
+        @classmethod
+        def asarray(cls, words):
+            cls.copies.append(words.copy())
+            return words.copy()
+
+    monkeypatch.setattr(_trace, "check_devices", lambda traced, arrays, device: None)
+    monkeypatch.setattr(_user, "_arguments", {})
+    table, gain, ids = np.ones((3, 9), np.float32), np.ones(3, np.float16), np.arange(4, dtype=np.int32)
+    docs = np.zeros(8, dtype=np.int32)
+
+    def score_mod(score, b, h, q, k):
+        return score * gain[h] + table[h, ids[q % 4] - k + 4]
+
+    user = _user.trace(score_mod, lambda b, h, q, k: docs[q] == docs[k], 2)
+    slots = {id(a): i for i, a in enumerate(user.arrays)}
+    asked, wanted = _user.with_gradients(user, [table, gain, table])
+    assert wanted == (slots[id(table)], slots[id(gain)], slots[id(table)])
+    assert asked.grads == (slots[id(table)], slots[id(gain)]) and asked.source is user.source
+    assert _user.with_gradients(user, None) == (user, None)
+    with pytest.raises(TypeError, match=r"score_mod_grads\[0\] .* has dtype int32"):
+        _user.with_gradients(user, [ids])
+    with pytest.raises(TypeError, match=r"score_mod_grads\[1\] is not an array that score_mod reads"):
+        _user.with_gradients(user, [table, docs])   # (the mask function's)
+    with pytest.raises(TypeError, match="a sequence of arrays"):
+        _user.with_gradients(user, table)
+    with pytest.raises(ValueError, match="needs a score_mod"):
+        _user.with_gradients(_user.trace(None, lambda b, h, q, k: q >= k, 2), [table])
+
+    grads = [SimpleNamespace(data=SimpleNamespace(ptr=p)) for p in (0xA0, 0xB0)]
+    words = _user.arguments(FakeCupy, asked, (2, 3), 0, grads=grads)
+    assert _user.arguments(FakeCupy, asked, (2, 3), 0, grads=grads) is not words and not _user._arguments
+    after = _trace.MAX_DIMS + _user.BLOCK_WORDS + len(user.arrays) * (_codegen.DESCRIPTOR.itemsize // 8)
+    np.testing.assert_array_equal(words[:after], _user.arguments(FakeCupy, user, (2, 3), 0))
+    pointers = np.zeros(len(user.score.captures), dtype=np.int64)
+    pointers[[slots[id(table)], slots[id(gain)]]] = (0xA0, 0xB0)
+    np.testing.assert_array_equal(words[after:], pointers)
+    assert "#define CUFLASH_USER_ARRAYS 4" in user.source.text   # table, gain, ids; docs
+
+
 def test_attention_vjp_asks_for_the_backward_compiles_once(monkeypatch):
     """attention_vjp starts the backward's compiles (`_compile_backward_soon`) at its first call
     with a function's source and shapes, not at each call: again only for another source, head
-    dim, dtype, packing or a call with a bias or dropout (their code compiled in)."""
+    dim, dtype, packing, a call with a bias or dropout (their code compiled in) or one that adds
+    the gradients of the score function's arrays (its dq pass)."""
     from cuflash import _api, _dispatch
 
     class Device:
@@ -934,15 +993,16 @@ def test_attention_vjp_asks_for_the_backward_compiles_once(monkeypatch):
     def score_mod(score, b, h, q, k):
         return score + offset
 
-    def soon(x=None, packed=False, bias_dropout=False):
+    def soon(x=None, packed=False, bias_dropout=False, grads=False):
         x = Array() if x is None else x
-        _api._compile_backward_soon(x, x, x, score_mod, None, None, packed, bias_dropout)
+        _api._compile_backward_soon(x, x, x, score_mod, None, None, packed, bias_dropout, grads)
 
     soon(), soon()
     assert asked == [("float16", 64, 64, False)]
     offset = 2.0   # noqa: F841 - read by score_mod: a new source
     soon(), soon(Array(128)), soon(Array(dtype=np.float32)), soon(packed=True), soon(bias_dropout=True), soon()
-    assert len(asked) == 6
+    soon(grads=True), soon(grads=True)
+    assert len(asked) == 7
 
 
 @requires_cxx

@@ -170,6 +170,167 @@ def test_functions_with_the_built_in_modifiers_backward(dtype):
         _assert_grads_close(name, grads, want, plain_errs, dtype)
 
 
+def _relative_bias(table, nq, nk, q0=0, k0=0):
+    """relative_position's scores as a bias, table[h, clamp(j - i) + R] for rows and keys at
+    positions q0 + i, k0 + j: (H, nq, nk), and the index into each row of the table."""
+    reach = (table.shape[-1] - 1) // 2
+    dist = np.clip((k0 + np.arange(nk))[None, :] - (q0 + np.arange(nq))[:, None], -reach, reach) + reach
+    return table[:, dist], dist
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_relative_position_tables_gradient_adds_up_the_bias_gradient(dtype, d, causal):
+    """score_mod_grads=[table] of the gallery's relative position: the same scores as a float32
+    bias get dS from the bias kernels (bias_grad=True, from the same out and lse); those added up at each of the table's
+    elements on the host, in float64, are the table's gradient to float32's rounding of the
+    kernels' atomic sums (2^-13 of the sum of the terms' magnitudes, per element); the gradient is
+    float32 as the table, its elements past every distance 0; dq, dk, dv against the reference;
+    attention_vjp with score_mod_grads alike. Ragged N, large logits, every output poisoned before
+    the kernels write it."""
+    import cupy
+
+    b, h, nq, nk = 2, 3, 197, 203
+    rng = np.random.default_rng(hash(("table grads", dtype, d, causal)) % 2**32)
+    q = random_array(rng, (b, h, nq, d), dtype, scale=2.0)
+    k, v = (random_array(rng, (b, h, nk, d), dtype, scale=2.0) for _ in range(2))
+    dout = random_array(rng, (b, h, nq, d), dtype)
+    table = (rng.standard_normal((h, 2 * 300 + 1)) * 2).astype(np.float32)   # (its far ends: no distance)
+    table_gpu = cupy.asarray(table)
+    score_mod = gallery.relative_position(table_gpu)
+    bias, dist = _relative_bias(table, nq, nk)
+    out, lse = cuflash.attention(q, k, v, causal=causal, score_mod=score_mod, return_lse=True)
+    with poisoned_allocations():
+        *grads, dtable = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, score_mod=score_mod,
+                                                    score_mod_grads=[table_gpu])
+    assert dtable.dtype == cupy.float32 and dtable.shape == table.shape
+    bias_gpu = cupy.asarray(bias)
+    # (from the same out and lse: a forward of its own rounds out apart, which moves dS by an ulp of out)
+    *_, dbias = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, bias=bias_gpu, bias_grad=True)
+    dbias = cupy.asnumpy(dbias).astype(np.float64)
+    want, magnitude = np.zeros(table.shape), np.zeros(table.shape)
+    for head in range(h):
+        np.add.at(want[head], dist, dbias[head])
+        np.add.at(magnitude[head], dist, np.abs(dbias[head]))
+    got = cupy.asnumpy(dtable).astype(np.float64)
+    assert np.isfinite(got).all() and not got[:, magnitude.max(axis=0) == 0].any()
+    np.testing.assert_array_less(np.abs(got - want), 2.0**-13 * magnitude + 1e-30)
+    # attention_vjp takes score_mod_grads too: the same dq, dk, dv (deterministic), the table's
+    # gradient to the atomic sums' rounding
+    _, vjp = cuflash.attention_vjp(q, k, v, causal=causal, score_mod=score_mod, score_mod_grads=[table_gpu])
+    *again, dtable = vjp(dout)
+    assert all(bool((a == g).all()) for a, g in zip(again, grads))
+    np.testing.assert_array_less(np.abs(cupy.asnumpy(dtable).astype(np.float64) - want), 2.0**-13 * magnitude + 1e-30)
+
+    q64, k64, v64, dout64 = _host(q, k, v, dout)
+    want_out, want_lse = reference.attention(q64, k64, v64, causal=causal, return_lse=True)
+    plain_out, plain_lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain_out, plain_lse, causal=causal),
+                              reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, causal=causal))
+    host_mod = gallery.relative_position(table)
+    want_out, want_lse = reference.attention(q64, k64, v64, causal=causal, score_mod=host_mod, return_lse=True)
+    want = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, causal=causal, score_mod=host_mod)
+    _assert_grads_close("relative position with its table's gradient", grads, want, plain_errs, dtype)
+
+
+def _read_cases(xp, h, n, rng):
+    """name: (keywords of attention, the arrays to take gradients of), of module ``xp`` (NumPy for
+    the reference, CuPy for the GPU) drawn from ``rng``: reads that add, multiply and pass through
+    tanh, in float32 and float16 arrays, beside a mask function and a block mask's."""
+    gain = (1 + 0.25 * rng.standard_normal(h)).astype(np.float32)
+    table = rng.standard_normal((h, 33)).astype(np.float16)
+    cap = rng.uniform(4, 12, h).astype(np.float32)
+    docs = np.sort(rng.integers(0, 3, n)).astype(np.int32)
+    gain, table, cap, docs = (xp.asarray(x) for x in (gain, table, cap, docs))
+
+    def gain_and_table(score, b, hh, q, kk):
+        return score * gain[hh] + table[hh, cuflash.minimum(cuflash.maximum(kk - q, -16), 16) + 16]
+
+    def capped(score, b, hh, q, kk):
+        return cap[hh] * cuflash.tanh(score / cap[hh])
+
+    return {"gain and table, documents": ({"score_mod": gain_and_table, "causal": True,
+                                            "mask_mod": lambda b, hh, q, kk: docs[q] == docs[kk]}, [gain, table]),
+            "tanh cap per head": ({"score_mod": capped, "window": (48, 0)}, [cap]),
+            "table twice, gain": ({"score_mod": gain_and_table}, [table, gain, table])}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gradients_of_captured_arrays_match_the_reference(dtype, d):
+    """score_mod_grads through reads that add, multiply and go through tanh: each gradient in its
+    array's dtype and shape, after dq, dk, dv (those as in the gallery's test), within four times
+    the plain backward's relative error (its worst over dq, dk, dv) of the gradient's scale, plus a
+    few ulps of the array's dtype; an array listed twice gets its gradient twice. Ragged N, every
+    output poisoned before the kernels write it."""
+    import cupy
+
+    b, h, n = 2, 3, 150
+    rng = np.random.default_rng(hash(("read grads", dtype, d)) % 2**32)
+    q, k, v, dout = (random_array(rng, (b, h, n, d), dtype, scale=1.5) for _ in range(4))
+    q64, k64, v64, dout64 = _host(q, k, v, dout)
+    seed = int(rng.integers(2**31))
+    on_host, on_gpu = _read_cases(np, h, n, np.random.default_rng(seed)), _read_cases(cupy, h, n, np.random.default_rng(seed))
+    for name, (kw, arrays) in on_gpu.items():
+        host_kw, host_arrays = on_host[name]
+        plain_kw = {key: value for key, value in kw.items() if key in ("causal", "window")}
+        plain_out, plain_lse = cuflash.attention(q, k, v, return_lse=True, **plain_kw)
+        want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True, **plain_kw)
+        plain_want = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, **plain_kw)
+        plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain_out, plain_lse, **plain_kw), plain_want)
+        relative = max(e / max(np.abs(w).max(), 1e-30) for e, w in zip(plain_errs, plain_want))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        with poisoned_allocations():
+            got = cuflash.attention_backward(dout, q, k, v, out, lse, score_mod_grads=arrays, **kw)
+        want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True, **host_kw)
+        want = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, score_mod_grads=host_arrays,
+                                            **host_kw)
+        assert len(got) == 3 + len(arrays), name
+        _assert_grads_close(name, got[:3], want[:3], plain_errs, dtype)
+        for i, (g, w, a) in enumerate(zip(got[3:], want[3:], arrays)):
+            assert g.dtype == a.dtype and g.shape == a.shape, f"{name} gradient {i}"
+            g = cupy.asnumpy(g).astype(np.float64)
+            err = np.abs(g - w).max()
+            atol = 4 * relative * np.abs(w).max() + 4 * eps(a.dtype.name) * max(1.0, np.abs(w).max())
+            assert np.isfinite(g).all() and err <= atol, f"{name} gradient {i}: error {err:.3g} > {atol:.3g}"
+
+
+def test_gradients_of_a_packed_batchs_table_match_the_reference():
+    """score_mod_grads on packed sequences: the table's reads at positions in the packed arrays,
+    each sequence's scores adding to it, against the reference (bounds as above)."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    lengths = [70, 1, 0, 130, 57]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, h, d = int(cu[-1]), 2, 64
+    q, k, v, dout = (random_array(rng, (h, total, d), "bfloat16", scale=1.5) for _ in range(4))
+    q64, k64, v64, dout64 = _host(q, k, v, dout)
+    table = rng.standard_normal((h, 41)).astype(np.float32)
+    packed, host_packed = ({"cu_seqlens_q": x, "cu_seqlens_k": x, "causal": True} for x in (cupy.asarray(cu), cu))
+    table_gpu = cupy.asarray(table)
+
+    def on(t):
+        return {"score_mod": lambda score, hh, qi, kj: score + t[hh, cuflash.minimum(qi - kj, 40)]}
+
+    plain_out, plain_lse = cuflash.attention(q, k, v, return_lse=True, **packed)
+    want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True, **host_packed)
+    plain_want = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, **host_packed)
+    plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain_out, plain_lse, **packed), plain_want)
+    relative = max(e / max(np.abs(w).max(), 1e-30) for e, w in zip(plain_errs, plain_want))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **packed, **on(table_gpu))
+    with poisoned_allocations():
+        *grads, dtable = cuflash.attention_backward(dout, q, k, v, out, lse, score_mod_grads=[table_gpu], **packed,
+                                                    **on(table_gpu))
+    want_out, want_lse = reference.attention(q64, k64, v64, return_lse=True, **host_packed, **on(table))
+    *want, want_table = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse,
+                                                     score_mod_grads=[table], **host_packed, **on(table))
+    _assert_grads_close("packed, with the table's gradient", grads, want, plain_errs, "bfloat16")
+    err = np.abs(cupy.asnumpy(dtable).astype(np.float64) - want_table).max()
+    assert err <= 4 * relative * np.abs(want_table).max() + 4 * eps("float32") * max(1.0, np.abs(want_table).max())
+
+
 def test_packed_sequences_see_positions_in_the_packed_arrays():
     """With cu_seqlens the functions get positions along the packed axis, as the reference
     gives them: a document mask over the packed arrays equals the same sequences run apart."""
@@ -210,8 +371,9 @@ def test_packed_sequences_see_positions_in_the_packed_arrays():
 
 
 def test_bad_functions_and_arrays_raise_before_any_launch(monkeypatch):
-    """A function the tracer refuses, a captured NumPy array and scale 0 raise, naming what is
-    wrong, before any kernel runs."""
+    """A function the tracer refuses, a captured NumPy array, scale 0 and score_mod_grads of
+    arrays with no gradient (not read by score_mod, not float, no score_mod) raise, naming what
+    is wrong, before any kernel runs."""
     import cupy
 
     from cuflash import _launch
@@ -228,8 +390,14 @@ def test_bad_functions_and_arrays_raise_before_any_launch(monkeypatch):
         cuflash.attention(q, k, v, scale=0.0, score_mod=gallery.relative_position(cupy.asarray(table)))
     out, lse = q, q[..., 0].astype(cupy.float32)   # (refused before anything reads them)
     score_mod = gallery.relative_position(cupy.asarray(table))
-    with pytest.raises(NotImplementedError, match="score_mod_grads"):
+    with pytest.raises(TypeError, match=r"score_mod_grads\[0\] is not an array that score_mod reads"):
         cuflash.attention_backward(q, q, k, v, out, lse, score_mod=score_mod, score_mod_grads=[cupy.asarray(table)])
+    ids = cupy.zeros(4, dtype=cupy.int32)
+    with pytest.raises(TypeError, match=r"score_mod_grads\[0\] .* has dtype int32"):
+        cuflash.attention_backward(q, q, k, v, out, lse, score_mod=lambda s, b, h, i, j: s + ids[i % 4],
+                                   score_mod_grads=[ids])
+    with pytest.raises(ValueError, match="needs a score_mod"):
+        cuflash.attention_backward(q, q, k, v, out, lse, mask_mod=lambda b, h, i, j: i >= j, score_mod_grads=[ids])
     with pytest.raises(NotImplementedError, match="softcap"):
         cuflash.attention_backward(q, q, k, v, out, lse, score_mod=score_mod, softcap=5.0,
                                    bias=cupy.zeros((40, 40), q.dtype), bias_grad=True)

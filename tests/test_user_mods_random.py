@@ -30,7 +30,7 @@ SLOW = dict(max_examples=8, deadline=None,
 def test_generated_functions_match_the_reference(score_tree, mask_tree, which, dtype, d, b, h, nq, nk, sequences,
                                                  seed):
     """out and lse, then dq, dk, dv, within the plain call's error as the gallery's tests bound
-    them. Score functions are continuous (no comparison of the score: float32 and float64 scores
+    them, and the table's gradient where the score function reads it (score_mod_grads). Score functions are continuous (no comparison of the score: float32 and float64 scores
     may fall on either side of a threshold) and keep the scores they make under 100 in
     magnitude (float32 keeps such logits to 1e-5); mask functions may leave rows with no key.
     With ``sequences`` > 0 the rows and keys are that many packed sequences of random lengths
@@ -63,26 +63,37 @@ def test_generated_functions_match_the_reference(score_tree, mask_tree, which, d
         on_host["mask_mod"] = make_function(mask_tree, TABLE, IDS, FLAGS, role="mask_mod")
         on_gpu["mask_mod"] = make_function(mask_tree, *tables_gpu, role="mask_mod")
 
+    # the table's gradient too, where the score function reads it (score_mod_grads)
+    reads_table = "score_mod" in on_host and any(
+        a is TABLE for a in _trace.captured_arrays(on_host["score_mod"], _trace.trace(on_host["score_mod"], "score_mod", 2)))
+    host_grads, gpu_grads = ({"score_mod_grads": [t]} if reads_table else {} for t in (TABLE, tables_gpu[0]))
     want, want_lse = reference.attention(q64, k64, v64, return_lse=True, **host_seqs, **on_host)
     with np.errstate(all="ignore"):
-        want_grads = reference.attention_backward(dout64, q64, k64, v64, want, want_lse, **host_seqs, **on_host)
+        want_grads = reference.attention_backward(dout64, q64, k64, v64, want, want_lse, **host_seqs, **on_host,
+                                                  **host_grads)
     assume(all(np.isfinite(g).all() for g in want_grads))   # (0 * inf where sqrt or log meet 0)
 
     plain, plain_lse = cuflash.attention(q, k, v, return_lse=True, **gpu_seqs)
     plain_want, plain_want_lse = reference.attention(q64, k64, v64, return_lse=True, **host_seqs)
     plain_err = np.abs(cupy.asnumpy(plain).astype(np.float64) - plain_want).max()
-    plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain, plain_lse, **gpu_seqs),
-                              reference.attention_backward(dout64, q64, k64, v64, plain_want, plain_want_lse,
-                                                           **host_seqs))
+    plain_want_grads = reference.attention_backward(dout64, q64, k64, v64, plain_want, plain_want_lse, **host_seqs)
+    plain_errs = _grad_errors(cuflash.attention_backward(dout, q, k, v, plain, plain_lse, **gpu_seqs), plain_want_grads)
 
     with poisoned_allocations():
         out, lse = cuflash.attention(q, k, v, return_lse=True, **gpu_seqs, **on_gpu)
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **gpu_seqs, **on_gpu)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **gpu_seqs, **on_gpu, **gpu_grads)
     err = np.abs(cupy.asnumpy(out).astype(np.float64) - want).max()
     atol = 4 * eps(dtype) * max(1.0, np.abs(want).max())
     assert err <= 2 * plain_err + atol, f"out: error {err:.3g} > 2 x plain {plain_err:.3g} + {atol:.3g}"
     assert_lse_close(cupy.asnumpy(lse), want_lse)
-    _assert_grads_close("generated functions", grads, want_grads, plain_errs, dtype)
+    _assert_grads_close("generated functions", grads[:3], want_grads[:3], plain_errs, dtype)
+    if reads_table:   # within four times the plain backward's relative error of its scale (test_user_mods)
+        relative = max(e / max(np.abs(w).max(), 1e-30) for e, w in zip(plain_errs, plain_want_grads))
+        got_table = cupy.asnumpy(grads[3]).astype(np.float64)
+        scale = np.abs(want_grads[3]).max()
+        err = np.abs(got_table - want_grads[3]).max()
+        assert np.isfinite(got_table).all() and err <= 4 * relative * scale + 4 * eps("float32") * max(1.0, scale), \
+            f"the table's gradient: error {err:.3g}"
 
 
 def test_a_generated_mask_with_no_key_for_any_row():

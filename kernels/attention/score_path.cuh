@@ -28,6 +28,7 @@ struct PlainScores {
     static constexpr bool FULL = false;
     static constexpr bool BIAS_DROPOUT = false;
     static constexpr bool USER = false;
+    static constexpr bool GRADS = false;
 };
 // softcap and ALiBi, each off at run time (cap 0, no slopes)
 struct ModifiedScores {
@@ -35,6 +36,7 @@ struct ModifiedScores {
     static constexpr bool FULL = false;
     static constexpr bool BIAS_DROPOUT = false;
     static constexpr bool USER = false;
+    static constexpr bool GRADS = false;
 };
 // softcap, ALiBi, a bias and dropout, each off at run time (the portable prefill kernels').
 // FULL: the kernels keep each sequence's positions (q0, k0, nq, nk: a bias's and dropout's, and the
@@ -44,10 +46,12 @@ struct FullScores {
     static constexpr bool FULL = true;
     static constexpr bool BIAS_DROPOUT = true;
     static constexpr bool USER = false;
+    static constexpr bool GRADS = false;
 };
-// FullScores' modifiers and a call's own score and mask functions: UserScores<BIAS_DROPOUT>
+// FullScores' modifiers and a call's own score and mask functions: UserScores<BIAS_DROPOUT, GRADS>
 // (kernels/user/user_scores.cuh), compiled after the functions, where USER; the bias's and
-// dropout's code only where the call has either (it costs the compile a quarter of its time).
+// dropout's code only where the call has either (it costs the compile a quarter of its time);
+// GRADS: the dq pass adds the gradients of the arrays the score function reads (score_mod_grads).
 
 // What a call's block mask (UserScores: cuflash.block_mask) says of a kernel's tile: no element
 // allowed (the kernel skips the tile), some, or every one (no mask function evaluated there).
@@ -137,17 +141,26 @@ struct NoDrop {
 
 // The backward's factor of each score of a warp's 16 rows over S_TILES 8-wide tiles on the
 // user path (ON): d(the score the softmax sees) / d(the raw score), score_mod's derivative
-// times softcap's, taken in modify() where score_mod's input is at hand; 1 off it.
-template <bool ON_, int S_TILES>
+// times softcap's, taken in modify() where score_mod's input is at hand; 1 off it. INPUTS: also
+// score_mod's input per score, for the gradients of the arrays it reads (the dq pass's, GRADS),
+// which need it once ds is known.
+template <bool ON_, int S_TILES, bool INPUTS_ = false>
 struct ScoreFactors {
     static constexpr bool ON = false;
+    static constexpr bool INPUTS = false;
     __device__ __forceinline__ float operator()(int, int) const { return 1.f; }
 };
 template <int S_TILES>
-struct ScoreFactors<true, S_TILES> {
+struct ScoreFactors<true, S_TILES, false> {
     static constexpr bool ON = true;
+    static constexpr bool INPUTS = false;
     float d[S_TILES][4];
     __device__ __forceinline__ float operator()(int nt, int e) const { return d[nt][e]; }
+};
+template <int S_TILES>
+struct ScoreFactors<true, S_TILES, true> : ScoreFactors<true, S_TILES, false> {
+    static constexpr bool INPUTS = true;
+    float in[S_TILES][4];
 };
 
 // lse in the log2 domain for p = exp2(scaled score - lse2); a row that sees no
@@ -398,6 +411,7 @@ struct ScorePath {
             if constexpr (Factors::ON) {
                 f.d[nt][e] = i < nq && j < nk ? f.d[nt][e] * Scores::dscore(in, entry, qi, kj, p.user_args) : 0.f;
             }
+            if constexpr (Factors::INPUTS) f.in[nt][e] = in;
             user_step(s[mt][nt][e], in, entry, qi, kj, test);
         });
     }
@@ -740,7 +754,8 @@ struct ScorePath {
 
     // The dq pass's ds = p (dp - delta) in place of dp, dp through dropout's mask (row_ds), after
     // its dbias where the call asks for it (BIAS_DROPOUT: the backward's parameters `bp`, whose
-    // dbias holds query entry `entry`'s nq x nk rows, or is null)
+    // dbias holds query entry `entry`'s nq x nk rows, or is null) and the gradients of the
+    // arrays the score function reads (Factors::INPUTS: the call's score_mod_grads)
     template <int S_TILES, class BwdP, class Factors>
     __device__ __forceinline__ void dq_ds(float (&dp)[1][S_TILES][4], const float (&prob)[1][S_TILES][4],
                                           const float (&delta)[2], const float (&lse2)[2], int row0, int n0,
@@ -749,7 +764,33 @@ struct ScorePath {
         if constexpr (BIAS_DROPOUT) {
             if (bp.dbias) store_dbias(bp.dbias + index_t(entry) * bp.nq * bp.nk, dp, prob, delta, row0, n0, kept, f);
         }
-        row_ds(dp, prob, delta, lse2, row0, n0, kept, f);
+        if constexpr (Factors::INPUTS) {
+            // dS with respect to the score function's result first, then its factor (so that p
+            // and dp are no longer held beside the inputs while the gradients are added)
+            for_each_element<1, S_TILES>([&](int, int nt, int e) {
+                dp[0][nt][e] = prob[0][nt][e] * (kept(0, nt, e, dp[0][nt][e]) - delta[e >> 1]);
+            });
+            add_score_grads(dp, row0, n0, f);
+            for_each_element<1, S_TILES>([&](int, int nt, int e) { dp[0][nt][e] *= f(nt, e); });
+        } else {
+            row_ds(dp, prob, delta, lse2, row0, n0, kept, f);
+        }
+    }
+
+    // The gradients of the arrays the score function reads: each score's dS (`ds`, with respect
+    // to the score function's result) times the derivative of each read there, added at the
+    // element read (UserScores::score_grads, atomically). A score whose dS is 0 (its key
+    // refused, its p 0) adds nothing.
+    template <int S_TILES, class Factors>
+    __device__ __forceinline__ void add_score_grads(const float (&ds)[1][S_TILES][4], int row0, int col0,
+                                                    const Factors& f) const {
+        for_each_element<1, S_TILES>([&](int, int nt, int e) {
+            int i, j;
+            position_of<false>(row0, col0, 0, nt, e, i, j);
+            if (i < nq && j < nk && ds[0][nt][e] != 0.f) {
+                Scores::score_grads(f.in[nt][e], ds[0][nt][e], entry, q0 + i, k0 + j, p.user_args);
+            }
+        });
     }
 
     // The dq pass's dbias (BIAS_DROPOUT): dS = p (dp' - delta) before softcap's factor, dp' dp through

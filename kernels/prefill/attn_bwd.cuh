@@ -284,7 +284,7 @@ attn_bwd_dq(const BwdParams p) {
 
     const Band band(p, w);
     const ScorePath<T, Scores, AttnParams, Scores::BIAS_DROPOUT && !PACKED> path(p, band, w.entry, w);
-    using Factors = ScoreFactors<Scores::USER, S_TILES>;
+    using Factors = ScoreFactors<Scores::USER, S_TILES, Scores::GRADS>;   // (GRADS: score_mod's inputs too)
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;
     band.key_blocks<STEP>(m0, m_end, nb_begin, nb_end);

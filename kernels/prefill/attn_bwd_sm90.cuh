@@ -477,7 +477,7 @@ attn_bwd_dq_sm90(const BwdParams p) {
 
     const Band band(p, w);
     const ScorePath<T, Scores, AttnParams, Scores::BIAS_DROPOUT && !PACKED> path(p, band, w.entry, w);
-    using Factors = ScoreFactors<Scores::USER, S_TILES>;
+    using Factors = ScoreFactors<Scores::USER, S_TILES, Scores::GRADS>;   // (GRADS: score_mod's inputs too)
     static_assert(!(Scores::FULL && Cfg::OVERLAP), "the FULL path runs without OVERLAP (as attn_bwd_dkdv_sm90)");
     const int m_end = min(m0 + Cfg::RESIDENT, nq);
     int nb_begin, nb_end;

@@ -7,17 +7,21 @@
 // The call's arguments (AttnParams::user_args), one int64 array on the device (cuflash/_user.py):
 // the batch's shape in CUFLASH_MAX_DIMS words (its first those the functions take), the block
 // mask (cf_block_mask, user/block_tiles.cuh; no kinds without one), then the captured arrays'
-// descriptors (cuflash_array), the score function's first.
+// descriptors (cuflash_array), the score function's first (CUFLASH_USER_ARRAYS of them), then,
+// for the dq pass of a call with score_mod_grads (GRADS), a float32 gradient per slot of the
+// score function's arrays (null where the call does not ask for it).
 
 namespace cuflash {
 
-// BIAS_DROPOUT_: the bias's and dropout's code compiled in (the call has either)
-template <bool BIAS_DROPOUT_>
+// BIAS_DROPOUT_: the bias's and dropout's code compiled in (the call has either); GRADS_: the
+// gradients of the arrays the score function reads, added by the dq pass (score_mod_grads)
+template <bool BIAS_DROPOUT_, bool GRADS_ = false>
 struct UserScores {
     static constexpr bool MODIFIED = true;
     static constexpr bool FULL = true;
     static constexpr bool BIAS_DROPOUT = BIAS_DROPOUT_;
     static constexpr bool USER = true;
+    static constexpr bool GRADS = GRADS_ && CUFLASH_USER_READS != 0;
     static constexpr bool SCORE = CUFLASH_USER_SCORE != 0;   // whether there is a score function
     static constexpr bool MASK = CUFLASH_USER_MASK != 0;     // whether there is a mask function
 
@@ -51,6 +55,16 @@ struct UserScores {
     // The score function's derivative with respect to its score there (the backward's)
     __device__ __forceinline__ static float dscore(float s, u32 entry, long long i, long long j, const void* args) {
         return cuflash_user_dscore(s, entry, shape(args), i, j, arrays(args));
+    }
+    // The gradients' pointers (GRADS), after the arrays' descriptors
+    __device__ __forceinline__ static float* const* grads(const void* args) {
+        return reinterpret_cast<float* const*>(arrays(args) + CUFLASH_USER_ARRAYS);
+    }
+    // Adds ds (the gradient of the score function's result at s) times the derivative of each
+    // read of an array whose gradient the call asks for, at the element read
+    __device__ __forceinline__ static void score_grads(float s, float ds, u32 entry, long long i, long long j,
+                                                       const void* args) {
+        cuflash_user_score_grads(s, ds, entry, shape(args), i, j, arrays(args), grads(args));
     }
     // Whether the mask function lets row i see key j
     __device__ __forceinline__ static bool allowed(u32 entry, long long i, long long j, const void* args) {
