@@ -677,8 +677,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, return_lse=Fals
     ``(score, h, q_idx, kv_idx)``, positions in the packed tensors), h the query head also with
     ``enable_gqa``; the tensors they capture are read where they lie, and those score_mod captures
     that require grad get their gradients (a learnable bias table, per-head slopes or caps),
-    through ``score_mod_grads`` of ``attention_backward``: cuflash.reference's for CPU tensors
-    (the GPU backward raises NotImplementedError for it yet).
+    through ``score_mod_grads`` of ``attention_backward``.
     ``block_mask`` from `block_mask` (over the caller's heads) carries its ``mask_mod``.
 
     Returns out (B, Hq, N, Dv) or packed (total_q, Hq, Dv), and with ``return_lse`` also lse,

@@ -964,6 +964,38 @@ def test_gpu_agrees_with_the_cpu_path(case):
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_tensors_a_score_function_captures_get_their_gradients(dtype):
+    """A learnable relative-position table (a CUDA tensor that requires grad), with enable_gqa:
+    the gradients of q, k, v and the table against the CPU path's (the same function over float64
+    CPU tensors, cuflash.reference) within three times SDPA's relative error on q, k, v with the
+    same scores as a float mask (its worst), of each gradient's scale, plus a few ulps."""
+    def function(table):
+        return lambda s, b, h, i, j: s + table[h, cuflash.minimum(cuflash.maximum(j - i, -16), 16) + 16]
+
+    b, hq, hkv, n, d = 2, 8, 2, 200, 64
+    q, k, v = qkv(b, hq, hkv, n, n, d, device="cuda", dtype=dtype, grad=True)
+    dout = make((b, hq, n, d), device="cuda", dtype=dtype, seed=4)
+    table = make((hq, 33), dtype=torch.float32, device="cuda", grad=True, seed=5)
+    out = ct.attention(q, k, v, enable_gqa=True, score_mod=function(table))
+    ours = (out, *torch.autograd.grad(out, (q, k, v, table), dout))
+    host = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    host_table = table.detach().cpu().requires_grad_()
+    host_out = ct.attention(*host, enable_gqa=True, score_mod=function(host_table))
+    ref = (host_out, *torch.autograd.grad(host_out, (*host, host_table), dout.cpu().double()))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    bias = table.detach()[:, (j - i).clamp(-16, 16).cuda() + 16].to(dtype)
+    theirs = sdpa_grads(q, k, v, dout, attn_mask=bias, enable_gqa=True)
+    relative = max((t.double() - r.cuda()).abs().max().item() / max(r.abs().max().item(), 1e-30)
+                   for t, r in zip(theirs[1:], ref[1:4]))
+    for name, o, r in zip(("out", "dq", "dk", "dv", "dtable"), ours, ref):
+        assert o.dtype == (torch.float32 if name == "dtable" else dtype) and o.shape == r.shape, name
+        r = r.cuda().double()
+        err = (o.double() - r).abs().max().item()
+        assert err <= (3 * relative + 4 * torch.finfo(dtype).eps) * max(1.0, r.abs().max().item()), name
+
+
+@requires_gpu
 @pytest.mark.parametrize("functions", [False, True])
 def test_gpu_kvcache_and_merge_agree_with_the_cpu_path(functions):
     """With ``functions``, ALiBi per query head and a first visible key per sequence written as
