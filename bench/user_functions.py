@@ -16,6 +16,8 @@ Functions (B 2, H 16, N x N, layout (B, H, N, D)), and the built-in each is comp
   softcap 50         50 tanh(s / 50)                   softcap=50.0
   alibi              s - slope[h] |i - j| (BLOOM's)    alibi_slopes
   relative position  s + table[h, clamp(j - i, -128, 128) + 128], a float32 (H, 257) table
+  table gradient     relative position's backward with the table's gradient too (score_mod_grads;
+                     in flex, a table that requires grad); backward only
   prefix-LM          j <= i or j < prefix[b], prefixes drawn in [0, N)
   document           64 documents per entry, causal within each (drawn lengths)
                                                        the same batch packed: cu_seqlens, causal=True
@@ -62,7 +64,9 @@ except ImportError:
 if torch is not None and FLEX_MISSING is None:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-FUNCTIONS = ("causal", "window 256", "softcap 50", "alibi", "relative position", "prefix-LM", "document")
+FUNCTIONS = ("causal", "window 256", "softcap 50", "alibi", "relative position", "table gradient", "prefix-LM",
+             "document")
+BACKWARD_ONLY = ("table gradient",)
 GRID = {"dtype": ("float16", "bfloat16"), "D": (64, 128), "N": (2048, 4096, 8192, 16384)}
 QUICK = {"dtype": ("bfloat16",), "D": (128,), "N": (4096,)}
 B, H, WINDOW, REACH, DOCUMENTS = 2, 16, 256, 128, 64
@@ -80,9 +84,11 @@ def captures(n, seed=0):
 
 
 def cuflash_keywords(name, c):
-    """cuflash's keywords for function `name` (captured arrays as CuPy arrays), and its built-in's
-    (None where there is none)."""
+    """cuflash's keywords for function `name` (captured arrays as CuPy arrays), its built-in's
+    (None where there is none), and those the backward alone takes (or None)."""
     g = {key: cupy.asarray(value) for key, value in c.items() if key != "lengths"}
+    if name == "table gradient":
+        return {"score_mod": gallery.relative_position(g["table"])}, None, {"score_mod_grads": [g["table"]]}
     return {
         "causal": ({"mask_mod": gallery.causal()}, {"causal": True}),
         "window 256": ({"mask_mod": gallery.sliding_window(WINDOW)}, {"causal": True, "window": (WINDOW, 0)}),
@@ -91,13 +97,17 @@ def cuflash_keywords(name, c):
         "relative position": ({"score_mod": gallery.relative_position(g["table"])}, None),
         "prefix-LM": ({"mask_mod": gallery.prefix_lm(g["prefix"])}, None),
         "document": ({"mask_mod": gallery.document(g["docs"])}, "packed"),
-    }[name]
+    }[name] + (None,)
 
 
 def flex_keywords(name, c, n):
-    """FlexAttention's score_mod and block mask for function `name` (the arrays as torch tensors)."""
+    """FlexAttention's score_mod and block mask for function `name` (the arrays as torch tensors),
+    and the tensors they read whose gradients the backward takes too."""
     t = {key: torch.from_dlpack(cupy.asarray(value)) for key, value in c.items() if key != "lengths"}
-    score_mod, mask, per_batch = None, None, False
+    score_mod, mask, per_batch, leaves = None, None, False, ()
+    if name == "table gradient":
+        t["table"] = t["table"].detach().requires_grad_()
+        leaves, name = (t["table"],), "relative position"
     if name == "causal":
         def mask(b, h, i, j):
             return i >= j
@@ -124,7 +134,7 @@ def flex_keywords(name, c, n):
         def mask(b, h, i, j):
             return (t["docs"][b, i] == t["docs"][b, j]) & (j <= i)
     block_mask = None if mask is None else create_block_mask(mask, B if per_batch else None, None, n, n, device="cuda")
-    return {"score_mod": score_mod, "block_mask": block_mask}
+    return {"score_mod": score_mod, "block_mask": block_mask}, leaves
 
 
 def flex_call(keywords):
@@ -212,16 +222,18 @@ def run_shape(dtype, d, n, args, names):
     data = bench_attention.make_inputs(B, H, n, d, dtype)
     tdata = [tuple(torch.from_dlpack(x) for x in s) for s in data] if torch is not None else None
     for name in names:
-        mine, builtin = cuflash_keywords(name, c)
+        mine, builtin, backward_only = cuflash_keywords(name, c)
         functions = mine
         mine, block_mask_ms = with_block_mask(mine, name, n)
-        flex = None
+        flex, leaves = None, ()
         if not args.no_flex and FLEX_MISSING is None:
             torch._dynamo.reset()
-            fk = flex_keywords(name, c, n)
+            fk, leaves = flex_keywords(name, c, n)
             torch._functorch.config.donated_buffer = False   # (the backward replays one graph)
             flex = torch.compile(flex_call(fk), fullgraph=True, dynamic=False)
         for direction in args.directions:
+            if direction == "fwd" and name in BACKWARD_ONLY:
+                continue
             log(f"{dtype} D {d} N {n} {name} {direction}")
             row = {"function": name, "dtype": dtype, "D": d, "N": n, "B": B, "H": H, "direction": direction,
                    "ms": {}, "skipped": {}}
@@ -231,7 +243,8 @@ def run_shape(dtype, d, n, args, names):
                 if block_mask_ms is not None:
                     row["block_mask_ms"] = block_mask_ms
             attempt(row, "cuflash", lambda: bench_attention.time_attention(cuflash, data, False, direction,
-                                                                           args.repeat, **mine))
+                                                                           args.repeat, backward_only=backward_only,
+                                                                           **mine))
             if builtin == "packed":
                 sets, cu = packed(data, c)
                 attempt(row, "built-in", lambda: bench_attention.time_attention(cuflash, sets, True, direction,
@@ -249,10 +262,10 @@ def run_shape(dtype, d, n, args, names):
                     flex(q, k, v)
                 else:
                     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-                    torch.autograd.grad(flex(q, k, v), (q, k, v), do)
+                    torch.autograd.grad(flex(q, k, v), (q, k, v, *leaves), do)
                 torch.cuda.synchronize()
                 row["flex_compile_s"] = time.perf_counter() - start
-                attempt(row, "flex", lambda: time_torch_fn(flex, tdata, direction, args.repeat))
+                attempt(row, "flex", lambda: time_torch_fn(flex, tdata, direction, args.repeat, leaves))
             yield row
             free()
 
