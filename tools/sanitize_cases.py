@@ -46,7 +46,8 @@ def run_case(label, q, k, v, deterministic=True, **mask):
     out, vjp = cuflash.attention_vjp(q, k, v, deterministic=deterministic, **mask)
     grads = vjp(randn(out.shape, q.dtype))
     cupy.cuda.Device().synchronize()
-    names = ("out", "dq", "dk", "dv") + ("dbias",) * bool(mask.get("bias_grad")) + ("dsinks",) * ("sinks" in mask)
+    names = ("out", "dq", "dk", "dv") + ("dbias",) * bool(mask.get("bias_grad")) + ("dsinks",) * ("sinks" in mask) \
+        + tuple(f"d(array {i})" for i in range(len(mask.get("score_mod_grads") or ())))
     assert len(names) == 1 + len(grads), f"{label}: {len(grads)} gradients, not {len(names) - 1}"
     bad = [
         name
@@ -182,7 +183,8 @@ def modifier_cases():
     grouped queries (values per query head), rows that see no key, padded and strided head
     dims and packed sequences; a bias broadcast over the batch with its gradient (read from
     global memory, and through shared memory), dropout, and dropout on packed sequences, on
-    each dtype; score and mask functions, forward and backward, and a block mask; the Hopper kernels' longer tiles with all
+    each dtype; score and mask functions, forward and backward (and the gradient of a table the
+    score function reads), and a block mask; the Hopper kernels' longer tiles with all
     three; and the KV cache with all three."""
     ok = True
 
@@ -237,6 +239,12 @@ def modifier_cases():
             ok &= run_case(f"{dtype} D=128 Nq=67 Nk=96 score_mod (table) + mask_mod", q, k, v,
                            score_mod=lambda s, b, h, i, j: s + table[h, i - j + 95],
                            mask_mod=lambda b, h, i, j: (j <= i + 29) & ((i + j) % 5 != 0))
+            # with the table's gradient (the dq pass's atomic adds), at D 128 and 64 (the portable
+            # passes on Hopper there)
+            for dd in (128, 64):
+                ok &= run_case(f"{dtype} D={dd} Nq=67 Nk=96 score_mod (table) with its gradient", q[..., :dd],
+                               k[..., :dd], v[..., :dd], score_mod=lambda s, b, h, i, j: s + table[h, i - j + 95],
+                               score_mod_grads=[table], causal=True)
             # its block mask, broadcast over B, of blocks that do not line up with the kernels' tiles
             blocks = cuflash.block_mask(lambda b, h, i, j: (j <= i - 20 * h) | (j < 3), (1, 3), 67, 96, block=(24, 40))
             ok &= run_case(f"{dtype} D=128 Nq=67 Nk=96 block mask (1, 3) of 24 x 40 blocks", q, k, v, block_mask=blocks)
