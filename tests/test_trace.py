@@ -867,11 +867,9 @@ def test_attention_kernels_compile_with_score_and_mask_functions(arch):
     assert max(n for _, n in spills) <= 16, log
 
 
-def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
-    """_user.arguments copies a call's words (batch shape, captured arrays' descriptors) to the
-    device once: the same shape and arrays again reuse that array; another array (read by the
-    call's trace, as each call makes it), another shape or another device make their own; past
-    ARGUMENTS_KEPT each call copies its own."""
+def fake_cupy(monkeypatch):
+    """A stand-in for CuPy in `_user.arguments`: asarray keeps a copy of each array of words it
+    is given (``copies``) and returns another; devices unchecked, no arguments kept before."""
     from cuflash import _user
 
     class FakeCupy:
@@ -884,6 +882,17 @@ def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
 
     monkeypatch.setattr(_trace, "check_devices", lambda traced, arrays, device: None)
     monkeypatch.setattr(_user, "_arguments", {})
+    return FakeCupy
+
+
+def test_a_repeated_call_reuses_its_arguments_on_the_device(monkeypatch):
+    """_user.arguments copies a call's words (batch shape, captured arrays' descriptors) to the
+    device once: the same shape and arrays again reuse that array; another array (read by the
+    call's trace, as each call makes it), another shape or another device make their own; past
+    ARGUMENTS_KEPT each call copies its own."""
+    from cuflash import _user
+
+    FakeCupy = fake_cupy(monkeypatch)
     table = np.arange(12, dtype=np.float32).reshape(3, 4)
 
     def score_mod(score, b, h, q, k):
@@ -923,16 +932,7 @@ def test_a_backward_with_score_mod_grads_passes_its_gradients_after_the_descript
 
     from cuflash import _user
 
-    class FakeCupy:
-        copies = []
-
-        @classmethod
-        def asarray(cls, words):
-            cls.copies.append(words.copy())
-            return words.copy()
-
-    monkeypatch.setattr(_trace, "check_devices", lambda traced, arrays, device: None)
-    monkeypatch.setattr(_user, "_arguments", {})
+    FakeCupy = fake_cupy(monkeypatch)
     table, gain, ids = np.ones((3, 9), np.float32), np.ones(3, np.float16), np.arange(4, dtype=np.int32)
     docs = np.zeros(8, dtype=np.int32)
 
