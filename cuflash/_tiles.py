@@ -506,7 +506,9 @@ def all_specializations(arch: str = "sm_80") -> list[str]:
                 if tiles.dkdv_adds_dq:   # then delta runs first, and the sums are scaled and rounded
                     bwd = (delta_name(dt), bwd[0], scale_dq_sums_name(dt, hd))
                 names.extend(n for n in bwd if n not in names)
-        else:
+        if arch != "sm_90a" or sm90_bwd_tiles(dt, hd, scores=scores, packed=packed, score_grads=True) is None:
+            # (the portable passes; on sm_90a also the FULL ones where a call adds the gradients of its
+            # score function's arrays and the Hopper passes do not take it: sm90_bwd_tiles)
             names.extend(n for n in bwd_names(dt, bwd_tiles(dt, hd, scores, packed), packed, scores) if n not in names)
     return (names + ["cuflash::build_tile_list"] + [f(dt) for f in (sum_parts_name, merge_name) for dt in ELEMENT_TYPES]
             + decode_specializations(arch))

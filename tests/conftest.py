@@ -145,9 +145,9 @@ def spin(seconds: float) -> None:
 def every_kernel_launched_is_checked_in_ci():
     """After a GPU run: each kernel the tests launched is one CI compiles with --werror
     (tools/check_kernels.py: the library's specializations and the tuning candidates). A kernel
-    with a call's own score and mask functions counts as its twin whose tiles it takes, FullScores
-    (the decoding kernel: ModifiedScores, the cache's other modified path); CI compiles such
-    kernels after sample functions: test_trace.py."""
+    with a call's own score and mask functions (that add the gradients of its arrays or not) counts
+    as its twin whose tiles it takes, FullScores (the decoding kernel: ModifiedScores, the cache's
+    other modified path); CI compiles such kernels after sample functions: test_trace.py."""
     if GPU_MISSING is not None:
         yield
         return
@@ -158,7 +158,7 @@ def every_kernel_launched_is_checked_in_ci():
 
     def recording(name_expression, smem_bytes, user=None):
         twin = _tiles.MODIFIED if name_expression.startswith("cuflash::attn_decode") else _tiles.FULL
-        launched.add(re.sub(r"cuflash::UserScores<\w+>", _tiles.SCORE_PATHS[twin], name_expression))
+        launched.add(re.sub(r"cuflash::UserScores<\w+(, \w+)?>", _tiles.SCORE_PATHS[twin], name_expression))
         return get_function(name_expression, smem_bytes, user)
 
     _compile.get_function = recording

@@ -262,8 +262,9 @@ def test_gradients_of_captured_arrays_match_the_reference(dtype, d):
     """score_mod_grads through reads that add, multiply and go through tanh: each gradient in its
     array's dtype and shape, after dq, dk, dv (those as in the gallery's test), within four times
     the plain backward's relative error (its worst over dq, dk, dv) of the gradient's scale, plus a
-    few ulps of the array's dtype; an array listed twice gets its gradient twice. Ragged N, every
-    output poisoned before the kernels write it."""
+    few ulps of the array's dtype, against the reference's backward from the kernels' out and lse;
+    an array listed twice gets its gradient twice. Ragged N, every output poisoned before the
+    kernels write it."""
     import cupy
 
     b, h, n = 2, 3, 150
@@ -288,6 +289,10 @@ def test_gradients_of_captured_arrays_match_the_reference(dtype, d):
                                             **host_kw)
         assert len(got) == 3 + len(arrays), name
         _assert_grads_close(name, got[:3], want[:3], plain_errs, dtype)
+        # the arrays' gradients against the reference's from the kernels' own out and lse (the
+        # forward's rounding of out moves every dS by an ulp of out: the bound's ulps in bfloat16)
+        want = reference.attention_backward(dout64, q64, k64, v64, *_host(out), cupy.asnumpy(lse).astype(np.float64),
+                                            score_mod_grads=host_arrays, **host_kw)
         for i, (g, w, a) in enumerate(zip(got[3:], want[3:], arrays)):
             assert g.dtype == a.dtype and g.shape == a.shape, f"{name} gradient {i}"
             g = cupy.asnumpy(g).astype(np.float64)
@@ -327,6 +332,8 @@ def test_gradients_of_a_packed_batchs_table_match_the_reference():
     *want, want_table = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse,
                                                      score_mod_grads=[table], **host_packed, **on(table))
     _assert_grads_close("packed, with the table's gradient", grads, want, plain_errs, "bfloat16")
+    *_, want_table = reference.attention_backward(dout64, q64, k64, v64, *_host(out), cupy.asnumpy(lse).astype(np.float64),
+                                                  score_mod_grads=[table], **host_packed, **on(table))
     err = np.abs(cupy.asnumpy(dtable).astype(np.float64) - want_table).max()
     assert err <= 4 * relative * np.abs(want_table).max() + 4 * eps("float32") * max(1.0, np.abs(want_table).max())
 
