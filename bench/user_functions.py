@@ -137,6 +137,21 @@ def flex_keywords(name, c, n):
     return {"score_mod": score_mod, "block_mask": block_mask}, leaves
 
 
+def flex_first_call_s(row, flex, data, direction, leaves):
+    """Seconds of flex's first call (its compile), into row["flex_compile_s"]; its error, such as
+    no Triton configuration that fits the GPU's shared memory, is attempt's to record."""
+    q, k, v, do = data
+    start = time.perf_counter()
+    if direction == "fwd":
+        flex(q, k, v)
+    else:
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        torch.autograd.grad(flex(q, k, v), (q, k, v, *leaves), do)
+    torch.cuda.synchronize()
+    row["flex_compile_s"] = time.perf_counter() - start
+    return row["flex_compile_s"]
+
+
 def flex_call(keywords):
     def call(q, k, v):
         return flex_attention(q, k, v, **keywords)
@@ -256,16 +271,8 @@ def run_shape(dtype, d, n, args, names):
                 attempt(row, "built-in", lambda: bench_attention.time_attention(cuflash, data, causal, direction,
                                                                                 args.repeat, **kw))
             if flex is not None:
-                q, k, v, do = tdata[0]
-                start = time.perf_counter()
-                if direction == "fwd":
-                    flex(q, k, v)
-                else:
-                    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-                    torch.autograd.grad(flex(q, k, v), (q, k, v, *leaves), do)
-                torch.cuda.synchronize()
-                row["flex_compile_s"] = time.perf_counter() - start
-                attempt(row, "flex", lambda: time_torch_fn(flex, tdata, direction, args.repeat, leaves))
+                attempt(row, "flex", lambda: flex_first_call_s(row, flex, tdata[0], direction, leaves)
+                        and time_torch_fn(flex, tdata, direction, args.repeat, leaves))
             yield row
             free()
 

@@ -121,8 +121,9 @@ def per_entry(cupy, x, batch_shape):
 def dsinks(cupy, z, shape, lse, delta):
     """The gradient of the sinks from their values per entry ``z`` (as `per_entry` lays them
     out for the kernels): -sum over each row of exp(z - lse) * rowsum(dout * out), summed to the
-    sinks' ``shape`` over the dims they were broadcast along, by one CuPy reduction (float32,
-    its order fixed): five CuPy operations had cost the backward about 130 us of host time."""
+    sinks' ``shape`` over the dims they were broadcast along, by one CuPy reduction (added up in
+    float64, its order fixed; float32 sums in its order missed the float32 tests' bound): five
+    CuPy operations had cost the backward about 130 us of host time."""
     batch = lse.shape[:-1]
     own = (1,) * (len(batch) - len(shape)) + tuple(shape)
     axes = tuple(d for d, n in enumerate(own) if n == 1 and batch[d] != 1) + (len(batch),)
@@ -135,6 +136,6 @@ _SINK_GRADIENT = []   # the reduction, made once (compiled by CuPy at its first 
 def _sink_gradient(cupy):
     if not _SINK_GRADIENT:
         _SINK_GRADIENT.append(cupy.ReductionKernel(
-            "float32 z, float32 lse, float32 delta", "float32 dsinks", "expf(z - lse) * delta", "a + b",
-            "dsinks = -a", "0", "cuflash_sink_gradient"))
+            "float32 z, float32 lse, float32 delta", "float32 dsinks", "(double)expf(z - lse) * delta", "a + b",
+            "dsinks = -a", "0", "cuflash_sink_gradient", reduce_type="double"))
     return _SINK_GRADIENT[0]
