@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import time
 
 import numpy as np
 
@@ -140,6 +141,21 @@ def time_torch_fn(fn, tdata, direction, repeat, leaves=()):
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
         graphs.append((fn(q, k, v), (q, k, v, *leaves), do))
     return median_ms(lambda out, inputs, do: torch.autograd.grad(out, inputs, do, retain_graph=True), graphs, repeat)
+
+
+def torch_first_call_s(fn, data, direction, leaves=()):
+    """Seconds of `fn(q, k, v)`'s first call on one (q, k, v, dout) set of torch tensors (its
+    compilation, for a compiled fn): forward, or forward and backward (the gradients of q, k, v
+    and `leaves`)."""
+    start = time.perf_counter()
+    q, k, v, do = data
+    if direction == "fwd":
+        fn(q, k, v)
+    else:
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        torch.autograd.grad(fn(q, k, v), (q, k, v, *leaves), do)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def any_order_differs(data, causal) -> bool:

@@ -66,7 +66,6 @@ import json
 import math
 import os
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -337,7 +336,7 @@ class Case:
             if direction == "bwd":   # the gradients cuflash's backward returns too
                 leaves = [self.mods[key].requires_grad_() for key in ("sinks",) if key in self.mods]
                 leaves += [self.mods["bias"].requires_grad_()] if self.backward_only.get("bias_grad") else []
-            row["flex_compile_s"] = self.first_call(self.flex, direction, leaves)
+            row["flex_compile_s"] = bench_attention.torch_first_call_s(self.flex, self.tdata[0], direction, leaves)
             return time_torch_fn(self.flex, self.tdata, direction, self.repeat, leaves)
         if provider == "torch-sdpa":
             grad = direction == "bwd" and bool(self.backward_only.get("bias_grad"))
@@ -347,18 +346,6 @@ class Case:
         gqa = {"enable_gqa": True} if s.hq != s.hkv else {}
         return bench_attention.time_torch(TORCH_BACKENDS[provider], self.data, s.causal, direction, self.repeat,
                                           dropout_p=self.kwargs["dropout_p"], **gqa)
-
-    def first_call(self, fn, direction, leaves):
-        """Seconds of fn's first call (its compilation) on the first input set, the backward's too."""
-        start = time.perf_counter()
-        q, k, v, do = self.tdata[0]
-        if direction == "fwd":
-            fn(q, k, v)
-        else:
-            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            torch.autograd.grad(fn(q, k, v), (q, k, v, *leaves), do)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
 
 
 def run_case(shape, mod, data, args):

@@ -140,15 +140,7 @@ def flex_keywords(name, c, n):
 def flex_first_call_s(row, flex, data, direction, leaves):
     """Seconds of flex's first call (its compile), into row["flex_compile_s"]; its error, such as
     no Triton configuration that fits the GPU's shared memory, is attempt's to record."""
-    q, k, v, do = data
-    start = time.perf_counter()
-    if direction == "fwd":
-        flex(q, k, v)
-    else:
-        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        torch.autograd.grad(flex(q, k, v), (q, k, v, *leaves), do)
-    torch.cuda.synchronize()
-    row["flex_compile_s"] = time.perf_counter() - start
+    row["flex_compile_s"] = bench_attention.torch_first_call_s(flex, data, direction, leaves)
     return row["flex_compile_s"]
 
 
