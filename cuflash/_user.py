@@ -5,6 +5,7 @@ arguments each call passes them. cuflash.reference runs the same functions on Nu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +56,7 @@ def with_gradients(user: UserMods | None, score_mod_grads) -> tuple:
                                   score_mod_grads)
     if not slots:
         return user, slots
-    return UserMods(user.score_mod, user.mask_mod, user.score, user.mask, user.source, user.arrays,
-                    tuple(dict.fromkeys(slots))), slots
+    return dataclasses.replace(user, grads=tuple(dict.fromkeys(slots))), slots
 
 
 def check_backward(score_mod, dbias_under_softcap: bool) -> None:

@@ -327,8 +327,8 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
                         causal, window_left, window_right, scale, softcap, alibi_slopes, sinks, bias, bias_grad,
                         dropout_p, seed, groups, check, deterministic, reads=()):
     """The backward op's work, with the call's score and mask functions (`_Functions`) or None:
-    dq, dk, dv, dbias and dsinks, None where there is none, then the gradient of each tensor
-    score_mod captures whose id is in ``reads``."""
+    dq, dk, dv, dbias and dsinks, None where there is none, then the gradient of each tensor of
+    ``reads`` (tensors score_mod captures)."""
     packed, device = cu_seqlens_q is not None, q.device
     _refuse_capture(device, dropout_p)
     qk, kk, vk = _kernel_qkv(q, k, v, packed, groups)
@@ -363,9 +363,7 @@ def _attention_backward(functions, dout, q, k, v, out, lse, cu_seqlens_q, cu_seq
         # (the kernels' bias is a view of the caller's: its gradient, contiguous, is viewed back)
         dbias = tensor(grads.pop(0)).to(bias.dtype).reshape(bias.shape) if _wants_dbias(bias, bias_grad) else None
         dsinks = tensor(grads.pop(0)).to(torch.float32).reshape(sinks.shape) if sinks is not None else None
-        learnable = _trace.captured_values(functions.score_mod, _is_tensor) if reads else ()
-        by_id = {id(t): t for t in learnable}
-        dreads = tuple(tensor(g).to(by_id[i].dtype).reshape(by_id[i].shape) for i, g in zip(reads, grads))
+        dreads = tuple(tensor(g).to(t.dtype).reshape(t.shape) for t, g in zip(reads, grads))
     return (_caller_rows(dq, packed, groups), _caller_rows(dk, packed, groups, grouped=False),
             _caller_rows(dv, packed, groups, grouped=False), dbias, dsinks, *dreads)
 
@@ -493,7 +491,7 @@ class _Attention(torch.autograd.Function):
         output = _attention_forward(functions, *inputs)
         _setup_context(ctx, inputs, output)
         ctx.functions = functions
-        ctx.learnable = tuple(map(id, learnable))   # (alive while the function that captures them is)
+        ctx.learnable = learnable   # (the function's own tensors: alive while it is)
         # lse's gradient (it has none) not made as zeros on every backward: an allocation and a fill
         ctx.set_materialize_grads(False)
         return output
@@ -502,11 +500,12 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:   # (no gradient reached out: none flows back)
             return (None,) * (8 + len(ctx.learnable))
-        wanted = tuple(i for i, need in zip(ctx.learnable, ctx.needs_input_grad[8:]) if need)
+        need = ctx.needs_input_grad[8:]
+        wanted = tuple(t for t, n in zip(ctx.learnable, need) if n)
         kernels = functools.partial(_attention_backward, ctx.functions, reads=wanted)
         dq, dk, dv, dsinks, dbias, *dreads = _gradients(ctx, dout, ctx.needs_input_grad[5], kernels)
-        by_id = dict(zip(wanted, dreads))
-        return (dq, dk, dv, None, dsinks, dbias, None, None, *(by_id.get(i) for i in ctx.learnable))
+        dreads = iter(dreads)
+        return (dq, dk, dv, None, dsinks, dbias, None, None, *(next(dreads) if n else None for n in need))
 
 
 class _Functions:
@@ -534,14 +533,14 @@ class _Functions:
         return tuple(t for t in _trace.captured_values(self.score_mod, _is_tensor) if t.requires_grad)
 
     def keywords(self, array, device, groups, reads=()) -> dict:
-        """cuflash's keywords of the functions for a call on ``device``; ``reads``: the ids of
-        tensors score_mod captures whose gradients the backward returns (score_mod_grads)."""
+        """cuflash's keywords of the functions for a call on ``device``; ``reads``: tensors
+        score_mod captures whose gradients the backward returns (score_mod_grads)."""
         score_mod = _grouped(_on_backend(self.score_mod, array, device), groups, True)
         mask_mod = _grouped(_on_backend(self.mask_mod, array, device), groups, False)
         grads = {}
         if reads:   # (the arrays the rebound score_mod reads, by the tensors' ids)
             made = _REBOUND[self.score_mod][2]
-            grads = dict(score_mod_grads=[made[i] for i in reads])
+            grads = dict(score_mod_grads=[made[id(t)] for t in reads])
         if self.block_mask is None:
             return dict(score_mod=score_mod, mask_mod=mask_mod, **grads)
         kinds = self.block_mask.kinds
